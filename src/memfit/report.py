@@ -1,0 +1,174 @@
+"""What a run shows and writes: the resolved config, live progress, evaluations, the summary.
+
+Files under the output directory: ``metrics.jsonl`` (one JSON object per logged step and per evaluation),
+``summary.json`` (:class:`Summary`), and ``model/`` (the fine-tuned Hugging Face model, safetensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def format_bytes(nbytes: int | float | None) -> str:
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(kw_only=True, slots=True)
+class Summary:
+    """The result of :func:`memfit.train`, also written as ``summary.json``."""
+
+    val_accuracy: float
+    val_loss: float
+    train_loss: float
+    """Mean training loss over the last logged window of steps."""
+    peak_memory_bytes: int
+    """CPU: peak live tensor bytes (storage tracker); CUDA: peak allocated bytes."""
+    peak_memory_by_phase: dict[str, int]
+    samples_per_second: float
+    """Training samples per second of training time (evaluation excluded)."""
+    optimizer_steps: int
+    """Optimizer steps that updated the weights (skipped non-finite steps excluded)."""
+    effective_batch_size: int
+    micro_batch_size: int
+    accumulation_steps: int
+    precision: str
+    checkpointing: str
+    trainable_parameters: int
+    total_parameters: int
+    device: str
+    config: dict[str, Any]
+    optimizer_steps_per_second: float = 0.0
+    epochs_completed: int = 0
+    train_samples: int = 0
+    val_samples: int = 0
+    train_seconds: float = 0.0
+    total_seconds: float = 0.0
+    peak_rss_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    skipped_steps: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    output_dir: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``metrics.jsonl``."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: TextIO = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Reporter:
+    """Console output of a run (rich), and its metrics file."""
+
+    def __init__(self, console: Console, output_dir: Path) -> None:
+        self.console = console
+        self.metrics = MetricsLog(output_dir / "metrics.jsonl")
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def show_config(self, rows: list[tuple[str, str]]) -> None:
+        table = Table(title="memfit train: resolved config", show_header=False, title_justify="left")
+        table.add_column("option", style="cyan")
+        table.add_column("value")
+        for name, value in rows:
+            table.add_row(name, value)
+        self.console.print(table)
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"[bold yellow]warning:[/] {message}")
+
+    def start(self, total_steps: int) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"), console=self.console, transient=False)
+        self._task = self._progress.add_task("train", total=total_steps, stats="")
+        self._progress.start()
+
+    def step(self, *, step: int, loss: float, lr: float, samples_per_second: float, memory_bytes: int,
+             peak_bytes: int) -> None:
+        assert self._progress is not None
+        stats = (f"loss {loss:.4f}  lr {lr:.2e}  {samples_per_second:.1f} samples/s  "
+                 f"mem {format_bytes(memory_bytes)} (peak {format_bytes(peak_bytes)})")
+        self._progress.update(self._task, completed=step, stats=stats)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        line = (f"eval  epoch {record['epoch']}  step {record['step']}  accuracy {record['accuracy']:.4f}  "
+                f"loss {record['loss']:.4f}")
+        if self._progress is not None:
+            self._progress.console.print(line)
+        else:
+            self.console.print(line)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def summary(self, summary: Summary) -> None:
+        table = Table(title="memfit train: summary", show_header=False, title_justify="left")
+        table.add_column("metric", style="cyan")
+        table.add_column("value")
+        phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in summary.peak_memory_by_phase.items())
+        rows = [
+            ("val accuracy", f"{summary.val_accuracy:.4f}"),
+            ("val loss / train loss", f"{summary.val_loss:.4f} / {summary.train_loss:.4f}"),
+            ("peak memory", f"{format_bytes(summary.peak_memory_bytes)} ({_peak_kind(summary)})"),
+            ("peak by phase", phases),
+            ("throughput", f"{summary.samples_per_second:.1f} samples/s, "
+                           f"{summary.optimizer_steps_per_second:.2f} optimizer steps/s"),
+            ("batch", f"{summary.effective_batch_size} = {summary.micro_batch_size} x "
+                      f"{summary.accumulation_steps} accumulation"),
+            ("optimizer steps", f"{summary.optimizer_steps} ({len(summary.skipped_steps)} skipped)"),
+            ("techniques", f"precision {summary.precision}, checkpointing {summary.checkpointing}"),
+            ("parameters", f"{summary.trainable_parameters:,} trainable of {summary.total_parameters:,}"),
+            ("time", f"{summary.train_seconds:.1f} s training, {summary.total_seconds:.1f} s total"),
+            ("output", summary.output_dir),
+        ]
+        if summary.peak_rss_bytes is not None:
+            rows.insert(3, ("peak process RSS", format_bytes(summary.peak_rss_bytes)))
+        for name, value in rows:
+            table.add_row(name, value)
+        self.console.print(table)
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop()
+        self.metrics.close()
+
+
+def _peak_kind(summary: Summary) -> str:
+    return "live tensor bytes" if summary.device == "cpu" else "allocated"
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,37 @@
+"""The pieces of a training step shared by the engine and the estimator.
+
+The loss is a *sum* over the micro-batch's labelled items, divided by the item count of the whole window,
+so that accumulating ``k`` micro-batches gives exactly the gradient of one batch of the window's size, also
+when micro-batches are unequal or padded differently. (A mean of per-micro-batch means would weight a short
+last micro-batch too much.) Labels equal to -100 are not counted, which makes token-level losses normalise by
+the window's token count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.data.batches import Batch
+
+IGNORE_INDEX = -100
+
+
+def item_count(batch: Batch) -> int:
+    """Labelled items in a micro-batch, counted on the host before the batch moves (no device sync)."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy in fp32, logits) of one micro-batch."""
+    inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
+    logits = model(**inputs).logits  # (B, C), or (B, S, C) for token-level heads
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           reduction="sum", ignore_index=IGNORE_INDEX)
+    return loss, logits

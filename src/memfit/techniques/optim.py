@@ -1,0 +1,69 @@
+"""The optimizer and its learning-rate schedule.
+
+Trade-offs (memory per trained parameter, fp32 weights):
+
+- ``adamw``: two fp32 states, 8 bytes. ``foreach=True`` (torch's default on CUDA) runs one multi-tensor
+  kernel per op and is faster, but materialises temporaries the size of all gradients during the step, which
+  can set the peak; ``foreach=False`` updates one parameter at a time and peaks lower.
+- ``sgd``: one momentum buffer, 4 bytes (none without momentum). Usually needs a higher learning rate.
+- ``adamw8bit``: bitsandbytes' block-wise 8-bit states, ~2 bytes. Changes the update's numerics slightly.
+
+Only parameters that require gradients are given to the optimizer, so frozen ones never get state. Biases
+and norm weights get no weight decay. The schedule warms up linearly then decays linearly to zero, stepped
+once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError
+
+
+def optimizer_problems(name: str) -> list[str]:
+    if name == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        return ["--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes (or use --optimizer adamw)"]
+    return []
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        (no_decay if parameter.ndim < 2 or "norm" in name.lower() else decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float, momentum: float,
+                    foreach: bool | None) -> torch.optim.Optimizer:
+    groups = [group for group in parameter_groups(model, weight_decay) if group["params"]]
+    if not groups:
+        raise ConfigError("every parameter is frozen: nothing to train; train more layers")
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=foreach)
+    if name == "adamw8bit":
+        import bitsandbytes
+
+        optimizer: torch.optim.Optimizer = bitsandbytes.optim.AdamW8bit(groups, lr=lr)
+        return optimizer
+    raise AssertionError(f"optimizer {name!r} passed validation")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int,
+                    warmup_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup_steps = int(total_steps * warmup_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        remaining = total_steps - step
+        return max(0.0, remaining / max(1, total_steps - warmup_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

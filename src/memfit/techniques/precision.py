@@ -1,0 +1,72 @@
+"""Mixed precision: run matmul-class ops in 16 bits under autocast.
+
+Trade-off: activations saved for backward are roughly halved and tensor-core GPUs run 2-8x faster; the fp32
+weights (and their gradients and optimizer state) stay, so model-state memory does not shrink.
+
+- ``fp16``: autocast + :class:`torch.amp.GradScaler`. The loss is scaled so small gradients survive fp16's
+  range; steps whose gradients overflow are skipped by the scaler and the scale is lowered. On Pascal cards
+  (GTX 10xx) fp16 arithmetic is not faster than fp32: it buys memory, not speed. On CPU fp16 kernels are
+  ~20x slower than fp32, so it is refused unless forced.
+- ``bf16``: autocast, no scaler (bf16 has fp32's range). Needs native support: CUDA compute capability
+  >= 8.0 or a CPU. Older cards emulate it slowly, so it is refused there.
+- ``fp32``: no autocast; the reference for accuracy.
+- ``auto``: bf16 on CPU and on CUDA >= 8.0, fp16 on older CUDA cards.
+
+Incompatible: ``fp16`` on CPU without ``force_cpu_fp16``; ``bf16`` on CUDA below compute capability 8.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from memfit.devices import Device
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_precision(requested: str, device: Device, *, force_cpu_fp16: bool) -> tuple[str, list[str]]:
+    """The concrete precision ``requested`` means on ``device``, and the problems it has there."""
+    if requested == "auto":
+        if device.has_native_bf16:
+            return "bf16", []
+        return "fp16", []
+    problems = []
+    if requested == "fp16" and device.kind == "cpu" and not force_cpu_fp16:
+        problems.append("--precision fp16 on CPU runs about 20x slower than fp32; use --precision bf16 "
+                        "(or add --force-cpu-fp16 to run it anyway)")
+    if requested == "bf16" and not device.has_native_bf16:
+        problems.append(f"--precision bf16: {device.describe()} has no native bf16 (needs compute capability "
+                        ">= 8.0); use --precision fp16")
+    return requested, problems
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    name: str
+    """``fp32``, ``fp16`` or ``bf16``."""
+    device_type: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.name == "fp16"
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        if not self.uses_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def make_scaler(self, *, init_scale: float, growth_interval: int) -> torch.amp.GradScaler | None:
+        if not self.uses_scaler:
+            return None
+        return torch.amp.GradScaler(self.device_type, init_scale=init_scale, growth_interval=growth_interval)
