@@ -11,6 +11,7 @@ import datetime
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,10 @@ from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.step import item_count, loss_sum, to_device
 from memfit.techniques.optim import build_scheduler
 from memfit.techniques.precision import Precision
-from memfit.techniques.stability import clip_to_norm, gradient_norm, nonfinite_parameters
+from memfit.techniques.stability import guarded_step
+
+# A skipped first step calls scheduler.step() before any optimizer.step(); that is intended here.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
 
 def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
@@ -56,7 +60,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
         val_encoder = prepared.encoder(prepared.val_examples)
         model.to(device)
         monitor.track_module(model)  # parameters existed before tracking started
-        trained = [p for p in model.parameters() if p.requires_grad]
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         optimizer = build_optimizer_for(model, config)  # last: sees only the trainable parameters
         scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.warmup_ratio)
         scaler = precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval)
@@ -93,18 +97,10 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                     del loss, batch  # free this micro-batch's graph before the next forward
 
                 with monitor.phase("optimizer"):
-                    if scaler is not None:
-                        scaler.unscale_(optimizer)  # clip and check in real units
-                    norm = gradient_norm(trained)
-                    loss_value, norm_value = torch.stack([window_loss, norm.to(device)]).tolist()  # the sync
-                    loss_finite, grads_finite = math.isfinite(loss_value), math.isfinite(norm_value)
-                    if loss_finite and grads_finite and config.max_grad_norm is not None:
-                        clip_to_norm(trained, config.max_grad_norm, norm)
-                    if scaler is not None:
-                        scaler.step(optimizer)  # skips the update itself when the gradients overflowed
-                        scaler.update()
-                    elif loss_finite and grads_finite:
-                        optimizer.step()
+                    check = guarded_step(optimizer, trained, window_loss, scaler=scaler,
+                                         max_grad_norm=config.max_grad_norm)
+                    loss_value, norm_value = check.loss, check.grad_norm
+                    loss_finite, grads_finite = check.loss_finite, check.grads_finite
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()  # once per optimizer step, applied or skipped
                 step += 1
@@ -117,7 +113,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                 else:
                     skip = {"step": step, "loss_finite": loss_finite, "grads_finite": grads_finite,
                             "handled_by": "grad_scaler" if scaler is not None and loss_finite else "memfit",
-                            "parameters": [] if grads_finite else nonfinite_parameters(model)}
+                            "parameters": check.bad_parameters}
                     skipped.append(skip)
                     reporter.metrics.write({"type": "skip", **skip})
                     if skip["handled_by"] == "memfit":  # scaler overflow skips are expected and self-correcting
@@ -171,7 +167,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
         total_parameters=total, device=prepared.device.describe(), config=config.to_dict(),
         epochs_completed=epochs_completed, train_samples=num_train, val_samples=len(prepared.val_examples),
         train_seconds=train_seconds, total_seconds=time.perf_counter() - started,
-        peak_rss_bytes=memory.rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=skipped,
+        peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=skipped,
         evaluations=evaluations, output_dir=str(output_dir))
     write_json(output_dir / "summary.json", summary.to_dict())
     reporter.summary(summary)

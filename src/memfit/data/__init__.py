@@ -25,15 +25,15 @@ def load_examples(data: str, *, text_column: str, label_column: str) -> Examples
         loaded = load_builtin(data)
     else:
         path = Path(data).expanduser()
+        if not path.exists():
+            raise DataError(f"--data {data}: no such file or directory "
+                            f"(built-in datasets: {', '.join(BUILTIN)})")
         if path.is_dir():
             loaded = load_image_folder(path)
         elif path.suffix.lower() in (".csv", ".jsonl", ".json"):
             loaded = load_table(path, text_column=text_column, label_column=label_column)
-        elif path.exists():
-            raise DataError(f"--data {data}: unsupported file type; use .csv, .jsonl or an image folder")
         else:
-            raise DataError(f"--data {data}: no such file or directory "
-                            f"(built-in datasets: {', '.join(BUILTIN)})")
+            raise DataError(f"--data {data}: unsupported file type; use .csv, .jsonl or an image folder")
     if len(loaded) < 2:
         raise DataError(f"--data {data}: the dataset has {len(loaded)} usable example(s); "
                         "at least 2 are needed for a train/validation split")

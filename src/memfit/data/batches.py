@@ -94,7 +94,7 @@ class ImageEncoder:
     def __call__(self, indices: Sequence[int]) -> Batch:
         tensors = []
         for i in indices:
-            pixels = torch.from_numpy(np.ascontiguousarray(_read_image(self.images[i])))  # (H, W, C) uint8
+            pixels = torch.from_numpy(np.array(_read_image(self.images[i]), copy=True))  # (H, W, C) uint8
             if pixels.ndim == 2:
                 pixels = pixels[..., None]
             image = pixels.permute(2, 0, 1).float().div(255.0)  # (C, H, W) in [0, 1]

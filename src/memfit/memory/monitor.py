@@ -18,6 +18,7 @@ Use it from your own loop::
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -39,7 +40,9 @@ class MemorySnapshot:
     reserved_bytes: int | None = None
     """CUDA caching allocator's reserved bytes; ``None`` on CPU."""
     rss_bytes: int | None = None
-    """Process resident set size (CPU)."""
+    """Process resident set size now (CPU)."""
+    peak_rss_bytes: int | None = None
+    """Highest resident set size of the process so far (CPU)."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
 
 
@@ -96,12 +99,22 @@ class Monitor:
     def snapshot(self) -> MemorySnapshot:
         if self.tracker is not None:
             return MemorySnapshot(current_bytes=self.tracker.live_bytes, peak_bytes=self.tracker.peak_bytes,
-                                  rss_bytes=self._process.memory_info().rss,
+                                  rss_bytes=self._process.memory_info().rss, peak_rss_bytes=peak_rss_bytes(),
                                   phase_peaks=dict(self.tracker.phase_peaks))
         return MemorySnapshot(current_bytes=torch.cuda.memory_allocated(),
                               peak_bytes=max(self._cuda_peak, torch.cuda.max_memory_allocated()),
                               reserved_bytes=torch.cuda.memory_reserved(),
                               phase_peaks=dict(self._cuda_phase_peaks))
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak RSS (``getrusage``; kibibytes on Linux, bytes on macOS), ``None`` where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def snapshot(device_type: str | None = None) -> MemorySnapshot:

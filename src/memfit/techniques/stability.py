@@ -11,6 +11,9 @@ step and the first offending parameters. A run stops after ``max_nonfinite_steps
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -29,12 +32,52 @@ def clip_to_norm(parameters: list[nn.Parameter], max_norm: float, total_norm: to
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm)
 
 
-def nonfinite_parameters(model: nn.Module, limit: int = 3) -> list[str]:
+def nonfinite_parameters(named: list[tuple[str, nn.Parameter]], limit: int = 3) -> list[str]:
     """Names of the first ``limit`` parameters whose gradient holds a NaN or an infinity."""
     names = []
-    for name, parameter in model.named_parameters():
+    for name, parameter in named:
         if parameter.grad is not None and not bool(torch.isfinite(parameter.grad).all()):
             names.append(name)
             if len(names) == limit:
                 break
     return names
+
+
+@dataclass(frozen=True, slots=True)
+class StepCheck:
+    loss: float
+    grad_norm: float
+    loss_finite: bool
+    grads_finite: bool
+    bad_parameters: list[str]
+    """The first parameters with non-finite gradients (empty when the gradients are finite)."""
+
+    @property
+    def applied(self) -> bool:
+        return self.loss_finite and self.grads_finite
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], window_loss: torch.Tensor,
+                 *, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None) -> StepCheck:
+    """Unscale, check, clip and step: weights and optimizer state change only if loss and gradients are finite.
+
+    One host-device synchronisation (reading the loss and the norm together). Gradients are left in place;
+    the caller zeroes them.
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip and check in real units
+    parameters = [parameter for _, parameter in named]
+    norm = gradient_norm(parameters)
+    loss_value, norm_value = torch.stack([window_loss.float(), norm.to(window_loss.device).float()]).tolist()
+    grads_finite = math.isfinite(norm_value)
+    check = StepCheck(loss_value, norm_value, math.isfinite(loss_value), grads_finite,
+                      [] if grads_finite else nonfinite_parameters(named))
+    if check.applied and max_grad_norm is not None:
+        clip_to_norm(parameters, max_grad_norm, norm)
+    if scaler is not None:
+        if check.loss_finite:
+            scaler.step(optimizer)  # skips the update itself when the gradients overflowed
+        scaler.update()  # lowers the scale after an overflow
+    elif check.applied:
+        optimizer.step()
+    return check

@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random-init models (HF configs only, no weights) and tiny datasets."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from memfit.config import TrainConfig
+
+TINY_BERT: dict[str, Any] = {
+    "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30522, "hidden_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "type_vocab_size": 2,
+}
+TINY_GPT2: dict[str, Any] = {
+    "architectures": ["GPT2Model"], "model_type": "gpt2", "vocab_size": 30522, "n_embd": 32, "n_layer": 2,
+    "n_head": 2, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+}
+TINY_VIT: dict[str, Any] = {
+    "architectures": ["ViTModel"], "model_type": "vit", "image_size": 8, "patch_size": 4, "num_channels": 1,
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+}
+
+WORDS_GOOD = ["great", "wonderful", "moving", "sharp", "funny", "brilliant", "warm"]
+WORDS_BAD = ["dull", "boring", "tedious", "flat", "messy", "weak", "lifeless"]
+FILLER = ["the", "film", "is", "a", "story", "that", "with", "its", "cast", "and", "plot"]
+
+
+def write_model_dir(path: Path, config: dict[str, Any]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def tiny_bert(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path / "tiny-bert", TINY_BERT)
+
+
+@pytest.fixture
+def tiny_gpt2(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path / "tiny-gpt2", TINY_GPT2)
+
+
+@pytest.fixture
+def tiny_vit(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path / "tiny-vit", TINY_VIT)
+
+
+def write_reviews(path: Path, count: int = 96, seed: int = 0) -> Path:
+    """A learnable toy sentiment CSV whose texts vary in length (so padding varies per micro-batch)."""
+    rng = random.Random(seed)
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["review", "sentiment"])
+        for index in range(count):
+            positive = index % 2 == 0
+            words = rng.choices(FILLER, k=rng.randint(2, 14))
+            words.insert(rng.randrange(len(words) + 1), rng.choice(WORDS_GOOD if positive else WORDS_BAD))
+            writer.writerow([" ".join(words), "pos" if positive else "neg"])
+    return path
+
+
+@pytest.fixture
+def reviews_csv(tmp_path: Path) -> Path:
+    return write_reviews(tmp_path / "reviews.csv")
+
+
+def tiny_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> TrainConfig:
+    values: dict[str, Any] = {
+        "model": str(model), "data": str(data), "text_column": "review", "label_column": "sentiment",
+        "max_length": 32, "effective_batch": 8, "epochs": 1, "max_steps": 3, "precision": "fp32",
+        "output_dir": str(output_dir), "log_every": 1, "lr": 1e-3, "seed": 0,
+    }
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def build_tiny_bert(num_labels: int = 2, **overrides: Any) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**{**TINY_BERT, **overrides}, num_labels=num_labels)
+    return transformers.BertForSequenceClassification(config)

@@ -1,0 +1,62 @@
+"""Gradient accumulation is exact: micro-batches of a window give the gradient of the whole window."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.build import build_model_for, prepare
+from memfit.data.batches import cut
+from memfit.engine import train
+from memfit.step import item_count, loss_sum
+from tests.conftest import load_weights, tiny_config
+
+
+def window_gradients(config_dir: Path, csv: Path, tmp_path: Path, micro: int) -> dict[str, torch.Tensor]:
+    prepared = prepare(tiny_config(config_dir, csv, tmp_path / "unused"))
+    model = build_model_for(prepared)
+    encoder = prepared.encoder(prepared.train_examples)
+    window = list(range(8))
+    batches = [encoder(chunk) for chunk in cut(window, micro)]
+    widths = {batch["input_ids"].shape[1] for batch in batches}
+    total = sum(item_count(batch) for batch in batches)
+    for batch in batches:
+        loss, _ = loss_sum(model, batch)
+        (loss / total).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, widths
+
+
+@pytest.mark.parametrize("micro", [2, 3])
+def test_micro_batches_match_one_big_batch(tiny_bert: Path, reviews_csv: Path, tmp_path: Path, micro: int) -> None:
+    reference, _ = window_gradients(tiny_bert, reviews_csv, tmp_path, 8)
+    accumulated, widths = window_gradients(tiny_bert, reviews_csv, tmp_path, micro)
+    assert len(widths) > 1, "the micro-batches must be padded to different lengths for this test to mean much"
+    assert reference.keys() == accumulated.keys()
+    for name in reference:
+        torch.testing.assert_close(accumulated[name], reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_engine_accumulation_gives_same_weights(tiny_bert: Path, reviews_csv: Path, tmp_path: Path) -> None:
+    """Through the real loop: SGD steps with micro 2 x 4 and with micro 3 (3+3+2) equal micro 8 x 1."""
+    common = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0, "lr": 0.5, "max_steps": 2,
+              "max_grad_norm": None, "warmup_ratio": 0.0}
+    runs = {}
+    for micro in (8, 2, 3):
+        config = tiny_config(tiny_bert, reviews_csv, tmp_path / f"m{micro}", micro_batch_size=micro, **common)
+        summary = train(config)
+        assert summary.accumulation_steps == {8: 1, 2: 4, 3: 3}[micro]
+        runs[micro] = load_weights(tmp_path / f"m{micro}")
+    initial = build_model_for(prepare(tiny_config(tiny_bert, reviews_csv, tmp_path / "x"))).state_dict()
+    assert not torch.equal(runs[8]["classifier.weight"], initial["classifier.weight"])
+    for micro in (2, 3):
+        for name, tensor in runs[8].items():
+            torch.testing.assert_close(runs[micro][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_partial_last_window_counts_only_its_samples(tiny_bert: Path, reviews_csv: Path, tmp_path: Path) -> None:
+    # 96 rows, 10 % validation -> 86 training samples -> windows of 8: ten full and one of 6.
+    config = tiny_config(tiny_bert, reviews_csv, tmp_path / "run", max_steps=None, epochs=1)
+    summary = train(config)
+    assert summary.train_samples == 86
+    assert summary.optimizer_steps == 11
+    assert summary.epochs_completed == 1

@@ -1,0 +1,61 @@
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from memfit.errors import ConfigError
+from memfit.models import PRESETS, build_model, embedding_modules, resolve_model, transformer_layers
+from tests.conftest import TINY_GPT2, TINY_VIT, write_model_dir
+
+
+@pytest.mark.parametrize("name", [p for p in PRESETS if p != "minilm"])
+def test_presets_resolve_from_config_alone(name: str) -> None:
+    spec = resolve_model(name)
+    assert not spec.is_pretrained
+    assert spec.modality == ("vision" if name.startswith(("vit", "deit")) else "text")
+    assert spec.num_layers == {"bert-large": 24, "vit-large": 24, "distilbert-base": 6}.get(name, 12)
+
+
+def test_minilm_is_pretrained() -> None:
+    spec = resolve_model("minilm")
+    assert spec.is_pretrained and spec.num_layers == 6 and spec.head_labels is None
+
+
+def test_hub_names_fail_offline_with_a_clear_message() -> None:
+    with pytest.raises(ConfigError, match="looks like a Hub id, and memfit never downloads"):
+        resolve_model("bert-base-uncased/extra")
+    with pytest.raises(ConfigError, match="is not a preset or a local directory \\(presets: minilm, bert-base"):
+        resolve_model("bert-huge")
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_config_only_directory_is_random_init(tiny_bert: Path) -> None:
+    spec = resolve_model(str(tiny_bert))
+    assert not spec.is_pretrained and spec.tokenizer_dir is not None  # falls back to the packaged vocabulary
+
+
+def test_saved_head_is_detected(tmp_path: Path) -> None:
+    config = transformers.BertConfig(**{k: v for k, v in json.loads(json.dumps(TINY_GPT2)).items()
+                                        if k == "vocab_size"}, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32, num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "clf")
+    assert resolve_model(str(tmp_path / "clf")).head_labels == 3
+
+
+@pytest.mark.parametrize(("config", "layers", "embedding_names"), [
+    (TINY_GPT2, 2, {"wte", "wpe"}),
+    (TINY_VIT, 2, {"embeddings"}),
+])
+def test_layers_and_embeddings_are_found(tmp_path: Path, config: dict, layers: int,
+                                         embedding_names: set[str]) -> None:
+    spec = resolve_model(str(write_model_dir(tmp_path / "m", config)))
+    model = build_model(spec, label_names=["a", "b"], pad_token_id=0)
+    assert len(transformer_layers(model)) == layers
+    found = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if any(module is m for m in embedding_modules(model))}
+    assert found == embedding_names
