@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
 from memfit import data as datasets
@@ -113,7 +114,7 @@ def _head_problems(config: TrainConfig, spec: ModelSpec, examples: datasets.Exam
     return problems
 
 
-def build_model_for(prepared: Prepared) -> nn.Module:
+def build_model_for(prepared: Prepared) -> transformers.PreTrainedModel:
     """The model with every technique applied in order: freeze -> checkpointing -> precision (a context)."""
     config = prepared.config
     torch.manual_seed(config.seed)

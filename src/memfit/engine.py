@@ -26,7 +26,7 @@ from memfit.errors import TrainingError
 from memfit.memory.monitor import PHASES, Monitor
 from memfit.models import count_parameters
 from memfit.report import Reporter, Summary, format_bytes, write_json
-from memfit.step import item_count, loss_sum, to_device
+from memfit.step import accumulate_window, loss_sum, to_device
 from memfit.techniques.optim import build_scheduler
 from memfit.techniques.precision import Precision
 from memfit.techniques.stability import guarded_step
@@ -58,7 +58,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                           "real; accuracy is not that of a pretrained model.")
         train_encoder = prepared.encoder(prepared.train_examples)
         val_encoder = prepared.encoder(prepared.val_examples)
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
         monitor.track_module(model)  # parameters existed before tracking started
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         optimizer = build_optimizer_for(model, config)  # last: sees only the trainable parameters
@@ -83,19 +83,9 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                     break
                 window_started = time.perf_counter()
                 micro_batches = [train_encoder(chunk) for chunk in cut(window, micro_batch_size)]
-                window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
-                window_loss = torch.zeros((), device=device)
-                for batch in micro_batches:
-                    batch = to_device(batch, device)
-                    monitor.track(*batch.values())
-                    with monitor.phase("forward"), precision.autocast():
-                        loss, _ = loss_sum(model, batch)
-                        loss = loss / window_items  # normalised over the whole window, not per micro-batch
-                    with monitor.phase("backward"):
-                        (scaler.scale(loss) if scaler is not None else loss).backward()
-                    window_loss += loss.detach()
-                    del loss, batch  # free this micro-batch's graph before the next forward
-
+                # forward + backward of each micro-batch; gradients accumulate in .grad
+                window_loss, window_items = accumulate_window(model, micro_batches, precision=precision,
+                                                              scaler=scaler, device=device, phases=monitor)
                 with monitor.phase("optimizer"):
                     check = guarded_step(optimizer, trained, window_loss, scaler=scaler,
                                          max_grad_norm=config.max_grad_norm)
@@ -111,7 +101,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                     logged_loss += loss_value * window_items
                     logged_items += window_items
                 else:
-                    skip = {"step": step, "loss_finite": loss_finite, "grads_finite": grads_finite,
+                    skip: dict[str, Any] = {"step": step, "loss_finite": loss_finite, "grads_finite": grads_finite,
                             "handled_by": "grad_scaler" if scaler is not None and loss_finite else "memfit",
                             "parameters": check.bad_parameters}
                     skipped.append(skip)
@@ -129,14 +119,15 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                 train_seconds += time.perf_counter() - window_started
                 samples_seen += len(window)
                 memory = monitor.snapshot()
-                reporter.step(step=step, loss=loss_value, lr=scheduler.get_last_lr()[0],
+                lr = float(scheduler.get_last_lr()[0])
+                reporter.step(step=step, loss=loss_value, lr=lr,
                               samples_per_second=samples_seen / train_seconds,
                               memory_bytes=memory.current_bytes, peak_bytes=memory.peak_bytes)
                 if step % config.log_every == 0 or step == total_steps:
                     last_loss = logged_loss / logged_items if logged_items else math.nan
                     reporter.metrics.write({
                         "type": "train", "step": step, "epoch": epoch, "loss": last_loss,
-                        "lr": scheduler.get_last_lr()[0], "grad_norm": norm_value,
+                        "lr": lr, "grad_norm": norm_value,
                         "samples_per_second": samples_seen / train_seconds,
                         "memory_bytes": memory.current_bytes, "peak_memory_bytes": memory.peak_bytes,
                         "rss_bytes": memory.rss_bytes})

@@ -22,9 +22,8 @@ from memfit.errors import ConfigError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
+import transformers
+from torch import nn
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -151,7 +150,8 @@ def check_compatible(spec: ModelSpec, *, max_length: int, vocab_size: int | None
     return problems
 
 
-def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | None = None) -> nn.Module:
+def build_model(spec: ModelSpec, *, label_names: list[str],
+                pad_token_id: int | None = None) -> transformers.PreTrainedModel:
     """Build the model with a classification head for ``label_names`` (pretrained body when available)."""
     num_labels = len(label_names)
     head_kwargs: dict[str, Any] = {
@@ -187,12 +187,13 @@ def transformer_layers(model: nn.Module) -> nn.ModuleList:
 
 def embedding_modules(model: nn.Module) -> list[nn.Module]:
     """The embedding block of a model: the base model's ``embeddings`` or its input (and position) tables."""
-    base = getattr(model, "base_model", model)
+    base: Any = getattr(model, "base_model", model)
     if isinstance(getattr(base, "embeddings", None), nn.Module):
         return [base.embeddings]
     modules: list[nn.Module] = []
-    if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
-        modules.append(model.get_input_embeddings())
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)
+    if callable(get_input_embeddings) and isinstance(get_input_embeddings(), nn.Module):
+        modules.append(get_input_embeddings())
     position = getattr(base, "wpe", None)  # GPT-2-style learned positions
     if isinstance(position, nn.Module):
         modules.append(position)

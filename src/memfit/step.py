@@ -9,11 +9,15 @@ the window's token count.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.batches import Batch
+from memfit.techniques.precision import Precision
 
 IGNORE_INDEX = -100
 
@@ -35,3 +39,34 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            reduction="sum", ignore_index=IGNORE_INDEX)
     return loss, logits
+
+
+class PhaseTracker(Protocol):
+    """What the step reports to: the runtime :class:`~memfit.memory.Monitor` or an estimator's tracker."""
+
+    def track(self, *tensors: torch.Tensor) -> None: ...
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
+
+
+def accumulate_window(model: nn.Module, micro_batches: list[Batch], *, precision: Precision,
+                      scaler: torch.amp.GradScaler | None, device: torch.device,
+                      phases: PhaseTracker) -> tuple[torch.Tensor, int]:
+    """Forward and backward over one window's micro-batches, accumulating gradients in ``.grad``.
+
+    Returns the window's loss (a device tensor, not synced) and its item count. Each micro-batch's graph is
+    freed before the next forward, so only one micro-batch's activations are alive at a time.
+    """
+    window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
+    window_loss = torch.zeros((), device=device)
+    for host_batch in micro_batches:
+        batch = to_device(host_batch, device)
+        phases.track(*batch.values())
+        with phases.phase("forward"), precision.autocast():
+            loss, _ = loss_sum(model, batch)
+            loss = loss / window_items  # normalised over the whole window, not per micro-batch
+        with phases.phase("backward"):
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        window_loss += loss.detach()
+        del loss, batch  # free this micro-batch's graph before the next forward
+    return window_loss, window_items

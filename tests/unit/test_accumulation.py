@@ -8,21 +8,23 @@ import torch
 from memfit.build import build_model_for, prepare
 from memfit.data.batches import cut
 from memfit.engine import train
-from memfit.step import item_count, loss_sum
+from memfit.memory import StorageTracker
+from memfit.step import accumulate_window, item_count, loss_sum
 from tests.conftest import load_weights, tiny_config
 
 
-def window_gradients(config_dir: Path, csv: Path, tmp_path: Path, micro: int) -> dict[str, torch.Tensor]:
+def window_gradients(config_dir: Path, csv: Path, tmp_path: Path,
+                     micro: int) -> tuple[dict[str, torch.Tensor], set[int]]:
     prepared = prepare(tiny_config(config_dir, csv, tmp_path / "unused"))
     model = build_model_for(prepared)
     encoder = prepared.encoder(prepared.train_examples)
     window = list(range(8))
     batches = [encoder(chunk) for chunk in cut(window, micro)]
     widths = {batch["input_ids"].shape[1] for batch in batches}
-    total = sum(item_count(batch) for batch in batches)
-    for batch in batches:
-        loss, _ = loss_sum(model, batch)
-        (loss / total).backward()
+    with StorageTracker() as tracker:
+        _, items = accumulate_window(model, batches, precision=prepared.precision, scaler=None,
+                                     device=torch.device("cpu"), phases=tracker)
+    assert items == 8
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, widths
 
 
@@ -60,3 +62,37 @@ def test_partial_last_window_counts_only_its_samples(tiny_bert: Path, reviews_cs
     assert summary.train_samples == 86
     assert summary.optimizer_steps == 11
     assert summary.epochs_completed == 1
+
+
+class TokenTagger(torch.nn.Module):
+    """A token-level head: logits (B, S, C); padding positions carry the label -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> object:
+        return type("Output", (), {"logits": self.head(self.embed(input_ids))})()
+
+
+def test_token_level_loss_is_normalised_by_the_window_token_count() -> None:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (4, 6), generator=generator)
+    labels = torch.randint(0, 3, (4, 6), generator=generator)
+    labels[0, 2:] = -100  # sequences of very different lengths
+    labels[3, 5:] = -100
+    full = {"input_ids": ids, "labels": labels}
+    halves = [{"input_ids": ids[:1], "labels": labels[:1]}, {"input_ids": ids[1:], "labels": labels[1:]}]
+    grads = []
+    for batches in ([full], halves):
+        model = TokenTagger()
+        total = sum(item_count(batch) for batch in batches)
+        assert total == 24 - 4 - 1
+        for batch in batches:
+            loss, _ = loss_sum(model, batch)
+            (loss / total).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for whole, accumulated in zip(*grads, strict=True):
+        torch.testing.assert_close(accumulated, whole, rtol=1e-6, atol=1e-7)

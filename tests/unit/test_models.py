@@ -30,7 +30,7 @@ def test_hub_names_fail_offline_with_a_clear_message() -> None:
 
 
 def test_directory_without_config(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         resolve_model(str(tmp_path))
 
 

@@ -116,3 +116,11 @@ def test_single_nan_step_is_skipped_and_logged(tiny_bert: Path, reviews_csv: Pat
     assert summary.optimizer_steps == 2
     assert [skip["step"] for skip in summary.skipped_steps] == [2]
     assert summary.skipped_steps[0]["parameters"][0].startswith("bert.")
+
+
+def test_fp16_on_cpu_when_forced_uses_the_scaler(tiny_bert: Path, reviews_csv: Path, tmp_path: Path) -> None:
+    summary = train(tiny_config(tiny_bert, reviews_csv, tmp_path / "run", precision="fp16", force_cpu_fp16=True,
+                                init_scale=2.0**40, max_steps=3))
+    assert summary.precision == "fp16"
+    # 2**40 overflows fp16 at once: the scaler skips and halves until the scale fits, and memfit does not stop.
+    assert summary.skipped_steps and all(s["handled_by"] == "grad_scaler" for s in summary.skipped_steps)

@@ -13,6 +13,7 @@ import csv
 import gzip
 import importlib.util
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,8 @@ def digits() -> ImageExamples:
                          label_names=[str(digit) for digit in range(10)])
 
 
-BUILTIN = {"rotten-tomatoes": rotten_tomatoes, "fashion-mnist": fashion_mnist, "digits": digits}
+BUILTIN: dict[str, Callable[[], Examples]] = {
+    "rotten-tomatoes": rotten_tomatoes, "fashion-mnist": fashion_mnist, "digits": digits}
 
 
 def load_builtin(name: str) -> Examples:

@@ -8,7 +8,7 @@ from typing import Union
 
 import numpy as np
 
-ImageItem = Union[np.ndarray, Path]
+ImageItem = Union[np.ndarray, Path]  # noqa: UP007 (a runtime alias, Python 3.10)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,6 +38,6 @@ class ImageExamples:
         return len(self.labels)
 
 
-Examples = Union[TextExamples, ImageExamples]
+Examples = Union[TextExamples, ImageExamples]  # noqa: UP007 (a runtime alias, Python 3.10)
 
 

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.models import transformer_layers
 
-CHECKPOINT_KWARGS = {"use_reentrant": False}
+CHECKPOINT_KWARGS = {"use_reentrant": False}  # what transformers passes on to torch.utils.checkpoint
 
 
 def apply_checkpointing(model: nn.Module, *, mode: str, every: int) -> None:
@@ -51,18 +51,18 @@ def _enable_hf(model: Any, period: int) -> None:
         for index, block in enumerate(transformer_layers(model)):
             for module in block.modules():
                 if hasattr(module, "gradient_checkpointing"):
-                    module.gradient_checkpointing = index % period == 0
+                    setattr(module, "gradient_checkpointing", index % period == 0)  # noqa: B010
 
 
 def _wrap_blocks(model: nn.Module, period: int) -> None:
     for index, block in enumerate(transformer_layers(model)):
         if index % period == 0:
-            block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward)
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, **CHECKPOINT_KWARGS, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
