@@ -20,7 +20,7 @@ from memfit import data as datasets
 from memfit.config import TrainConfig
 from memfit.data.batches import Encoder, ImageEncoder, TextEncoder
 from memfit.devices import Device, resolve_device
-from memfit.errors import ConfigError, DataError, MemfitError, Problems
+from memfit.errors import ConfigError, DataError, Problems
 from memfit.models import ModelSpec, build_model, check_compatible, load_tokenizer, resolve_model
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
@@ -56,22 +56,22 @@ def prepare(config: TrainConfig) -> Prepared:
     """Validate ``config`` against the device, the model and the data; raise once with every problem."""
     config.validate()
     problems = Problems()
-    device = _collect(problems, lambda: resolve_device(config.device))
+    device = problems.collect(lambda: resolve_device(config.device))
     precision_name = config.precision
     if device is not None:
         precision_name, precision_problems = resolve_precision(config.precision, device,
                                                                force_cpu_fp16=config.force_cpu_fp16)
         problems.lines.extend(precision_problems)
     problems.lines.extend(optimizer_problems(config.optimizer))
-    spec = _collect(problems, lambda: resolve_model(config.model))
+    spec = problems.collect(lambda: resolve_model(config.model))
     data_problems = Problems()
-    examples = _collect(data_problems, lambda: datasets.load_examples(
+    examples = data_problems.collect(lambda: datasets.load_examples(
         config.data, text_column=config.text_column, label_column=config.label_column))
     tokenizer = None
     if spec is not None:
-        problems.lines.extend(_depth_problems(config, spec))
+        problems.lines.extend(depth_problems(config, spec))
         if spec.modality == "text":
-            tokenizer = _collect(problems, lambda: load_tokenizer(spec))
+            tokenizer = problems.collect(lambda: load_tokenizer(spec))
             vocab = len(tokenizer) if tokenizer is not None else None
             problems.lines.extend(check_compatible(spec, max_length=config.max_length, vocab_size=vocab))
     if spec is not None and examples is not None:
@@ -85,15 +85,7 @@ def prepare(config: TrainConfig) -> Prepared:
                     val_examples=datasets.first(val_examples, config.val_samples), tokenizer=tokenizer)
 
 
-def _collect(problems: Problems, make: Any) -> Any:
-    try:
-        return make()
-    except MemfitError as error:
-        problems.extend(error)
-        return None
-
-
-def _depth_problems(config: TrainConfig, spec: ModelSpec) -> list[str]:
+def depth_problems(config: TrainConfig, spec: ModelSpec) -> list[str]:
     if config.train_top_layers is not None and config.train_top_layers > spec.num_layers:
         return [f"--train-top-layers {config.train_top_layers} is larger than {spec.name}'s "
                 f"{spec.num_layers} layers; use 1..{spec.num_layers}"]
@@ -115,11 +107,17 @@ def _head_problems(config: TrainConfig, spec: ModelSpec, examples: datasets.Exam
 
 
 def build_model_for(prepared: Prepared) -> transformers.PreTrainedModel:
-    """The model with every technique applied in order: freeze -> checkpointing -> precision (a context)."""
-    config = prepared.config
-    torch.manual_seed(config.seed)
+    """The model of a prepared run, with its techniques applied."""
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
-    model = build_model(prepared.spec, label_names=prepared.label_names, pad_token_id=pad)
+    return build_with_techniques(prepared.spec, prepared.config, label_names=prepared.label_names,
+                                 pad_token_id=pad)
+
+
+def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: list[str],
+                          pad_token_id: int | None) -> transformers.PreTrainedModel:
+    """Build the model and apply the techniques in order: freeze -> checkpointing (precision is a context)."""
+    torch.manual_seed(config.seed)
+    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id)
     apply_freezing(model, freeze_embeddings=config.freeze_embeddings, train_top_layers=config.train_top_layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from memfit.config import CHECKPOINTING, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, from_mapping, load_config_file
 from memfit.data import BUILTIN
+from memfit.devices import PROFILES
 from memfit.errors import MemfitError
 from memfit.models import PRESETS
 
@@ -29,7 +30,7 @@ def _bool_flag(group: argparse._ArgumentGroup, name: str, help_text: str) -> Non
     group.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
 
-def add_train_options(parser: argparse.ArgumentParser) -> None:
+def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = False) -> None:
     """Every ``train`` option, grouped by technique; defaults live in :class:`TrainConfig`, not here."""
     defaults = TrainConfig()
     data = parser.add_argument_group("model and data")
@@ -83,13 +84,24 @@ def add_train_options(parser: argparse.ArgumentParser) -> None:
     schedule.add_argument("--log-every", type=int, help=f"optimizer steps per metrics line [{defaults.log_every}]")
 
     where = parser.add_argument_group("device and output")
-    where.add_argument("--device", choices=DEVICES, help=f"[{defaults.device}]")
+    if for_estimate:
+        where.add_argument("--device", dest="profile", default="cpu",
+                           help=f"target device profile ({', '.join(PROFILES)}) or a .toml/.json profile [cpu]")
+        where.add_argument("--batch-size", type=int, help="micro-batch size to estimate (alias of "
+                                                          "--micro-batch-size; also the effective batch if "
+                                                          "that is not given)")
+        where.add_argument("--seq-len", type=int, help="sequence length to estimate [--max-length]")
+        where.add_argument("--image-size", type=int, help="image size to estimate [the model's]")
+        where.add_argument("--steps", type=int, default=2, help="optimizer steps to trace [2]")
+    else:
+        where.add_argument("--device", choices=DEVICES, help=f"[{defaults.device}]")
     where.add_argument("--output-dir", help="[runs/<timestamp>]")
     where.add_argument("--config", help="TOML/YAML/JSON file with the same option names (flags override it)")
     where.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
 NO_CLIP = "none"
+NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps")
 
 
 def _optional_float(text: str) -> float | str:
@@ -101,7 +113,10 @@ def build_parser() -> Parser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train = commands.add_parser("train", help="fine-tune a model (default: MiniLM on Rotten Tomatoes)")
     add_train_options(train)
+    estimate = commands.add_parser("estimate", help="predict the peak memory of a training step, no GPU needed")
+    add_train_options(estimate, for_estimate=True)
     commands.add_parser("models", help="list the model presets")
+    commands.add_parser("devices", help="list the device profiles")
     return parser
 
 
@@ -109,7 +124,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """File values first, then every flag the user actually gave."""
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
     given = {name: value for name, value in vars(args).items()
-             if value is not None and name not in ("command", "config", "json")}
+             if value is not None and name not in NOT_CONFIG}
+    batch_size = given.pop("batch_size", None)
+    if batch_size is not None:
+        given["micro_batch_size"] = batch_size
+        given.setdefault("effective_batch", batch_size)
     if given.get("max_grad_norm") == NO_CLIP:
         given["max_grad_norm"] = None
     return from_mapping({**values, **given})
@@ -120,6 +139,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "models":
             print("\n".join(PRESETS))
+            return 0
+        if args.command == "devices":
+            print_devices(Console())
+            return 0
+        if args.command == "estimate":
+            from memfit.memory.estimate import estimate
+
+            result = estimate(config_from_args(args), device=args.profile, seq_len=args.seq_len,
+                              image_size=args.image_size, steps=args.steps)
+            if args.json:
+                print(json.dumps(result.to_dict()))
+            else:
+                print_estimate(Console(), result)
             return 0
         from memfit.engine import train
 
@@ -138,3 +170,51 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run() -> NoReturn:
     raise SystemExit(main())
+
+
+def print_devices(console: Console) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    table = Table(title="device profiles")
+    for column in ("name", "device", "memory", "sm", "fp32 TFLOP/s", "fp16 TFLOP/s", "bf16 TFLOP/s",
+                   "tensor cores"):
+        table.add_column(column)
+    for profile in PROFILES.values():
+        capability = profile.compute_capability
+        table.add_row(profile.name, profile.description,
+                      format_bytes(profile.memory_bytes) if profile.memory_bytes else "host RAM",
+                      f"{capability[0]}.{capability[1]}" if capability else "-", f"{profile.fp32_flops / 1e12:g}",
+                      f"{profile.fp16_flops / 1e12:g}", f"{profile.bf16_flops / 1e12:g}" if profile.bf16_flops
+                      else "no", "yes" if profile.tensor_cores else "no")
+    console.print(table)
+
+
+def print_estimate(console: Console, result: Any) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    shape = (f"seq len {result.sequence_length}" if result.sequence_length is not None
+             else f"image {result.image_size}px")
+    table = Table(title=f"memfit estimate: {result.config['model']} on {result.device}, micro-batch "
+                        f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}",
+                  title_justify="left")
+    table.add_column("at the peak")
+    table.add_column("bytes", justify="right")
+    for name, value in result.breakdown.items():
+        table.add_row(name.replace("_", " "), format_bytes(value))
+    table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
+    table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))
+    table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))
+    console.print(table)
+    phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in result.phases.items())
+    console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})")
+    if result.fits is None:
+        console.print("target: cpu (no fixed memory budget)")
+    else:
+        verdict = "[green]fits" if result.fits else "[red]does not fit"
+        console.print(f"{verdict}[/] in {format_bytes(result.device_memory_bytes)}: needs "
+                      f"{format_bytes(result.total_bytes)}, headroom {format_bytes(result.headroom_bytes)}")
+    console.print(f"traced in {result.seconds:.1f} s")

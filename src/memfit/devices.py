@@ -8,6 +8,7 @@ also answers yes on older cards where bf16 is emulated and slow, so it is not tr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -58,3 +59,103 @@ def resolve_device(requested: str) -> Device:
         compute_capability=(properties.major, properties.minor),
         total_memory_bytes=properties.total_memory,
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceProfile:
+    """A target device for estimates and plans: what it holds and how fast it computes, as data.
+
+    FLOP/s are dense peak figures from the vendors' datasheets (no sparsity). ``fp16_flops`` and
+    ``bf16_flops`` are what autocast's matmuls get: tensor-core rates with fp32 accumulation where the card
+    has tensor cores, otherwise the rate cuBLAS reaches with fp16 storage (on Pascal, fp32's: fp16 there buys
+    memory, not speed). ``bf16_flops`` is 0 where bf16 is not native.
+    """
+
+    name: str
+    description: str
+    memory_bytes: int
+    compute_capability: tuple[int, int] | None
+    fp32_flops: float
+    fp16_flops: float
+    bf16_flops: float
+    memory_bandwidth: float
+    """Bytes per second."""
+    tensor_cores: bool
+    non_pytorch_bytes: int = 0
+    """Memory the process uses outside PyTorch's allocator (CUDA context, cuBLAS/cuDNN workspaces)."""
+
+    @property
+    def kind(self) -> str:
+        return "cpu" if self.compute_capability is None else "cuda"
+
+    @property
+    def has_native_bf16(self) -> bool:
+        return self.kind == "cpu" or (self.compute_capability or (0, 0)) >= NATIVE_BF16_CAPABILITY
+
+    def as_device(self) -> Device:
+        return Device(kind=self.kind, name=self.description, compute_capability=self.compute_capability,
+                      total_memory_bytes=self.memory_bytes if self.kind == "cuda" else None)
+
+
+GiB = 1024**3
+TERA = 1e12
+CUDA_CONTEXT_BYTES = 400 * 1024**2  # typical CUDA context + cuBLAS workspace of a training process
+
+
+def _gpu(name: str, description: str, memory_gib: float, capability: tuple[int, int], fp32: float, fp16: float,
+         bf16: float, bandwidth_gbs: float, tensor_cores: bool) -> DeviceProfile:
+    return DeviceProfile(name=name, description=description, memory_bytes=int(memory_gib * GiB),
+                         compute_capability=capability, fp32_flops=fp32 * TERA, fp16_flops=fp16 * TERA,
+                         bf16_flops=bf16 * TERA, memory_bandwidth=bandwidth_gbs * 1e9, tensor_cores=tensor_cores,
+                         non_pytorch_bytes=CUDA_CONTEXT_BYTES)
+
+
+PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
+    _gpu("1080ti", "NVIDIA GeForce GTX 1080 Ti", 11, (6, 1), 11.3, 11.3, 0, 484, False),
+    _gpu("2080ti", "NVIDIA GeForce RTX 2080 Ti", 11, (7, 5), 13.4, 53.8, 0, 616, True),
+    _gpu("t4", "NVIDIA T4", 15, (7, 5), 8.1, 65, 0, 320, True),
+    _gpu("v100-16", "NVIDIA V100 16GB", 16, (7, 0), 15.7, 125, 0, 900, True),
+    _gpu("v100-32", "NVIDIA V100 32GB", 32, (7, 0), 15.7, 125, 0, 900, True),
+    _gpu("3060", "NVIDIA GeForce RTX 3060 12GB", 12, (8, 6), 12.7, 25.5, 25.5, 360, True),
+    _gpu("3090", "NVIDIA GeForce RTX 3090", 24, (8, 6), 35.6, 71, 71, 936, True),
+    _gpu("4090", "NVIDIA GeForce RTX 4090", 24, (8, 9), 82.6, 165, 165, 1008, True),
+    _gpu("a100-40", "NVIDIA A100 40GB", 40, (8, 0), 19.5, 312, 312, 1555, True),
+    _gpu("a100-80", "NVIDIA A100 80GB", 80, (8, 0), 19.5, 312, 312, 2039, True),
+    _gpu("l4", "NVIDIA L4", 22, (8, 9), 30.3, 121, 121, 300, True),
+    _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True),
+    _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True),
+    DeviceProfile(name="cpu", description="host CPU", memory_bytes=0, compute_capability=None, fp32_flops=0.1 * TERA,
+                  fp16_flops=0.005 * TERA, bf16_flops=0.1 * TERA, memory_bandwidth=20e9, tensor_cores=False),
+)}
+
+
+def resolve_profile(name: str) -> DeviceProfile:
+    """A built-in profile by name, or one read from a TOML/JSON file with the same field names."""
+    if name in PROFILES:
+        return PROFILES[name]
+    path = Path(name)
+    if path.suffix in (".toml", ".json") and path.is_file():
+        return _profile_from_file(path)
+    raise ConfigError(f"--device {name!r} is not a known device (known: {', '.join(PROFILES)}) "
+                      "nor a .toml/.json profile file")
+
+
+def _profile_from_file(path: Path) -> DeviceProfile:
+    from memfit.config import load_config_file
+
+    raw = load_config_file(str(path))
+    fields = {"name", "description", "memory_bytes", "compute_capability", "fp32_flops", "fp16_flops",
+              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes"}
+    unknown = sorted(set(raw) - fields)
+    missing = sorted({"name", "memory_bytes", "fp32_flops"} - set(raw))
+    if unknown or missing:
+        raise ConfigError([f"{path}: unknown profile field {key!r}" for key in unknown]
+                          + [f"{path}: missing profile field {key!r}" for key in missing])
+    capability = raw.get("compute_capability")
+    return DeviceProfile(
+        name=str(raw["name"]), description=str(raw.get("description", raw["name"])),
+        memory_bytes=int(raw["memory_bytes"]), compute_capability=tuple(capability) if capability else None,
+        fp32_flops=float(raw["fp32_flops"]), fp16_flops=float(raw.get("fp16_flops", raw["fp32_flops"])),
+        bf16_flops=float(raw.get("bf16_flops", 0.0)), memory_bandwidth=float(raw.get("memory_bandwidth", 0.0)),
+        tensor_cores=bool(raw.get("tensor_cores", False)),
+        non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)))

@@ -26,8 +26,8 @@ from memfit.errors import TrainingError
 from memfit.memory.monitor import PHASES, Monitor
 from memfit.models import count_parameters
 from memfit.report import Reporter, Summary, format_bytes, write_json
-from memfit.step import accumulate_window, loss_sum, to_device
-from memfit.techniques.optim import build_scheduler
+from memfit.step import accumulate_window, item_count, loss_sum, to_device
+from memfit.techniques.optim import advance_schedule, build_scheduler
 from memfit.techniques.precision import Precision
 from memfit.techniques.stability import guarded_step
 
@@ -83,16 +83,17 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                     break
                 window_started = time.perf_counter()
                 micro_batches = [train_encoder(chunk) for chunk in cut(window, micro_batch_size)]
+                window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
                 # forward + backward of each micro-batch; gradients accumulate in .grad
-                window_loss, window_items = accumulate_window(model, micro_batches, precision=precision,
-                                                              scaler=scaler, device=device, phases=monitor)
+                window_loss = accumulate_window(model, micro_batches, window_items, precision=precision,
+                                                scaler=scaler, device=device, phases=monitor)
                 with monitor.phase("optimizer"):
                     check = guarded_step(optimizer, trained, window_loss, scaler=scaler,
                                          max_grad_norm=config.max_grad_norm)
                     loss_value, norm_value = check.loss, check.grad_norm
                     loss_finite, grads_finite = check.loss_finite, check.grads_finite
                     optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()  # once per optimizer step, applied or skipped
+                    advance_schedule(scheduler)  # once per optimizer step, applied or skipped
                 step += 1
 
                 if loss_finite and grads_finite:

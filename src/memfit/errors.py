@@ -7,6 +7,11 @@ traceback. ``assert`` is reserved for internal invariants.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class MemfitError(Exception):
     """Base class: one or more problems, each a single line."""
@@ -44,6 +49,14 @@ class Problems:
 
     def extend(self, error: MemfitError) -> None:
         self.lines.extend(error.problems)
+
+    def collect(self, make: Callable[[], T]) -> T | None:
+        """``make()``, or ``None`` with its problems recorded when it raises a :class:`MemfitError`."""
+        try:
+            return make()
+        except MemfitError as error:
+            self.extend(error)
+            return None
 
     def __bool__(self) -> bool:
         return bool(self.lines)

@@ -44,24 +44,24 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
 class PhaseTracker(Protocol):
     """What the step reports to: the runtime :class:`~memfit.memory.Monitor` or an estimator's tracker."""
 
-    def track(self, *tensors: torch.Tensor) -> None: ...
+    def track(self, *tensors: torch.Tensor, category: str | None = None) -> None: ...
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
 
 
-def accumulate_window(model: nn.Module, micro_batches: list[Batch], *, precision: Precision,
+def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items: int, *, precision: Precision,
                       scaler: torch.amp.GradScaler | None, device: torch.device,
-                      phases: PhaseTracker) -> tuple[torch.Tensor, int]:
+                      phases: PhaseTracker) -> torch.Tensor:
     """Forward and backward over one window's micro-batches, accumulating gradients in ``.grad``.
 
-    Returns the window's loss (a device tensor, not synced) and its item count. Each micro-batch's graph is
-    freed before the next forward, so only one micro-batch's activations are alive at a time.
+    ``window_items`` is the window's labelled-item count (:func:`item_count`, summed on the host). Returns the
+    window's loss, a device tensor (not synced). Each micro-batch's graph is freed before the next forward, so
+    only one micro-batch's activations are alive at a time.
     """
-    window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
     window_loss = torch.zeros((), device=device)
     for host_batch in micro_batches:
         batch = to_device(host_batch, device)
-        phases.track(*batch.values())
+        phases.track(*batch.values(), category="inputs")
         with phases.phase("forward"), precision.autocast():
             loss, _ = loss_sum(model, batch)
             loss = loss / window_items  # normalised over the whole window, not per micro-batch
@@ -69,4 +69,4 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], *, precision
             (scaler.scale(loss) if scaler is not None else loss).backward()
         window_loss += loss.detach()
         del loss, batch  # free this micro-batch's graph before the next forward
-    return window_loss, window_items
+    return window_loss

@@ -22,9 +22,8 @@ def window_gradients(config_dir: Path, csv: Path, tmp_path: Path,
     batches = [encoder(chunk) for chunk in cut(window, micro)]
     widths = {batch["input_ids"].shape[1] for batch in batches}
     with StorageTracker() as tracker:
-        _, items = accumulate_window(model, batches, precision=prepared.precision, scaler=None,
-                                     device=torch.device("cpu"), phases=tracker)
-    assert items == 8
+        accumulate_window(model, batches, sum(item_count(batch) for batch in batches),
+                          precision=prepared.precision, scaler=None, device=torch.device("cpu"), phases=tracker)
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, widths
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import memfit.engine
+import memfit.step
 from memfit.engine import train
 from memfit.errors import TrainingError
 from memfit.techniques.stability import guarded_step
@@ -87,13 +87,13 @@ def test_grad_scaler_skips_overflow_and_lowers_scale() -> None:
 
 def test_run_stops_after_consecutive_nonfinite_steps(tiny_bert: Path, reviews_csv: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    real_loss_sum = memfit.engine.loss_sum
+    real_loss_sum = memfit.step.loss_sum
 
     def poisoned(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         loss, logits = real_loss_sum(model, batch)
         return loss * float("nan"), logits
 
-    monkeypatch.setattr(memfit.engine, "loss_sum", poisoned)
+    monkeypatch.setattr(memfit.step, "loss_sum", poisoned)
     config = tiny_config(tiny_bert, reviews_csv, tmp_path / "run", max_steps=10, max_nonfinite_steps=3)
     with pytest.raises(TrainingError, match="stopped at step 3: 3 consecutive optimizer steps"):
         train(config)
@@ -103,7 +103,7 @@ def test_run_stops_after_consecutive_nonfinite_steps(tiny_bert: Path, reviews_cs
 
 def test_single_nan_step_is_skipped_and_logged(tiny_bert: Path, reviews_csv: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    real_loss_sum = memfit.engine.loss_sum
+    real_loss_sum = memfit.step.loss_sum
     calls = {"count": 0}
 
     def poisoned_once(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +111,7 @@ def test_single_nan_step_is_skipped_and_logged(tiny_bert: Path, reviews_csv: Pat
         calls["count"] += 1
         return (loss * float("nan") if calls["count"] == 2 else loss), logits
 
-    monkeypatch.setattr(memfit.engine, "loss_sum", poisoned_once)
+    monkeypatch.setattr(memfit.step, "loss_sum", poisoned_once)
     summary = train(tiny_config(tiny_bert, reviews_csv, tmp_path / "run", max_steps=3))
     assert summary.optimizer_steps == 2
     assert [skip["step"] for skip in summary.skipped_steps] == [2]

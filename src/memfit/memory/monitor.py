@@ -78,9 +78,9 @@ class Monitor:
         if self.tracker is not None:
             self.tracker.track_module(module)
 
-    def track(self, *tensors: torch.Tensor) -> None:
+    def track(self, *tensors: torch.Tensor, category: str | None = None) -> None:
         if self.tracker is not None:
-            self.tracker.track(*tensors)
+            self.tracker.track(*tensors, category=category)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

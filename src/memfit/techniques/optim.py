@@ -16,6 +16,7 @@ once per optimizer step.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Any
 
 import torch
@@ -68,3 +69,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int,
         return max(0.0, remaining / max(1, total_steps - warmup_steps))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def advance_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the schedule by one optimizer step, applied or skipped.
+
+    A skipped (non-finite) step keeps the schedule on the step count, so warm-up and decay stay aligned with
+    ``--max-steps``; torch warns when the first step was skipped, which is expected here and not shown.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()

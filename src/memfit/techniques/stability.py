@@ -12,6 +12,7 @@ step and the first offending parameters. A run stops after ``max_nonfinite_steps
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,24 @@ class StepCheck:
         return self.loss_finite and self.grads_finite
 
 
+def read_values(window_loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+    """The loss and the gradient norm on the host: the step's one synchronisation."""
+    loss_value, norm_value = torch.stack([window_loss.float(), norm.to(window_loss.device).float()]).tolist()
+    return loss_value, norm_value
+
+
+def assume_finite(window_loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+    """For traces with fake tensors, which hold no values: take the branch of a step that updates.
+
+    Builds the same small tensor :func:`read_values` does, so the traced step allocates what the real one does.
+    """
+    torch.stack([window_loss.float(), norm.to(window_loss.device).float()])
+    return 0.0, 0.0
+
+
 def guarded_step(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], window_loss: torch.Tensor,
-                 *, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None) -> StepCheck:
+                 *, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None,
+                 read: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]] = read_values) -> StepCheck:
     """Unscale, check, clip and step: weights and optimizer state change only if loss and gradients are finite.
 
     One host-device synchronisation (reading the loss and the norm together). Gradients are left in place;
@@ -68,7 +85,7 @@ def guarded_step(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Par
         scaler.unscale_(optimizer)  # clip and check in real units
     parameters = [parameter for _, parameter in named]
     norm = gradient_norm(parameters)
-    loss_value, norm_value = torch.stack([window_loss.float(), norm.to(window_loss.device).float()]).tolist()
+    loss_value, norm_value = read(window_loss, norm)
     grads_finite = math.isfinite(norm_value)
     check = StepCheck(loss_value, norm_value, math.isfinite(loss_value), grads_finite,
                       [] if grads_finite else nonfinite_parameters(named))

@@ -1,0 +1,149 @@
+"""Emulating a CUDA target while tracing on CPU fake tensors.
+
+The trace runs CPU kernels (on fake tensors, so only shapes and dtypes matter). Where a CUDA device would
+keep different tensors, :class:`CudaEmulation` changes what the trace produces. It swaps the torch-level
+functions concerned for wrappers for the duration of the trace (a ``TorchFunctionMode`` would be cleaner, but
+it is suspended while ``Tensor.backward`` runs, which is exactly when checkpointed layers recompute their
+forward):
+
+- **Autocast op policy.** CPU and CUDA autocast cast the same matmul-class ops (linear, matmul, bmm, baddbmm,
+  addmm, conv, SDPA) to 16 bits and share the weight-cast cache, so CPU autocast is kept for those. CUDA
+  additionally runs an fp32 list (softmax, log_softmax, layer_norm, group_norm, exp, log, pow, sum, cumsum,
+  norm, rsqrt, the losses, ...) in fp32 when handed fp16/bf16 inputs, where CPU autocast keeps the input
+  dtype. The wrappers upcast those inputs, so the trace stores fp32 outputs exactly where CUDA would.
+- **Attention kernel.** ``scaled_dot_product_attention`` picks flash attention on sm80+ for fp16/bf16 without
+  an arbitrary mask, memory-efficient attention on sm50+ otherwise. Both save only q, k, v, the output and a
+  float32 log-sum-exp of shape (B, H, S) (memory-efficient pads S to a multiple of 32), plus a philox seed
+  and offset for dropout. The CPU math path instead saves the S x S probabilities and dropout masks. The
+  wrapper replaces the call by an autograd function that produces and saves what the chosen kernel keeps.
+- **Allocator rounding** is not done here: the tracker rounds each storage to 512 bytes for CUDA targets.
+
+What only a GPU can confirm: the kernels' internal workspaces (flash backward's fp32 accumulators, cuBLAS
+workspaces) are not modelled; ``benchmarks/validate_estimator.py`` measures the remaining error.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves, tree_map
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# CUDA autocast's fp32 list (ops autocast runs in float32), as the torch-level callables models reach them by.
+CUDA_FP32_FUNCTIONS: tuple[tuple[Any, str], ...] = (
+    *((F, name) for name in (
+        "softmax", "log_softmax", "layer_norm", "group_norm", "softplus", "cross_entropy", "nll_loss", "kl_div",
+        "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "binary_cross_entropy_with_logits",
+        "cosine_similarity", "margin_ranking_loss", "soft_margin_loss", "multilabel_margin_loss",
+        "multi_margin_loss", "triplet_margin_loss", "poisson_nll_loss", "cosine_embedding_loss",
+        "hinge_embedding_loss")),
+    *((torch, name) for name in (
+        "softmax", "log_softmax", "layer_norm", "group_norm", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "cosh", "tan", "acos", "asin", "erfinv", "pow", "sum", "prod", "cumsum",
+        "cumprod", "norm", "logsumexp", "dist", "cdist", "renorm")),
+    *((torch.Tensor, name) for name in (
+        "softmax", "log_softmax", "exp", "log", "pow", "sum", "prod", "cumsum", "rsqrt", "reciprocal", "norm",
+        "logsumexp")),
+)
+
+
+def attention_kernel(compute_capability: tuple[int, int], dtype: torch.dtype, has_mask: bool,
+                     head_dim: int) -> str:
+    """The SDPA kernel CUDA would run: ``flash``, ``efficient`` or ``math``."""
+    if compute_capability >= (8, 0) and dtype in LOW_PRECISION and not has_mask and head_dim <= 256:
+        return "flash"
+    if compute_capability >= (5, 0):
+        return "efficient"
+    return "math"
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shapes-only stand-in for a fused attention kernel: saves what flash / memory-efficient attention save."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None, lse_length: int, dropout: bool) -> torch.Tensor:
+        output = torch.empty_like(query)  # (B, H, S, D)
+        batch, heads = query.shape[0], query.shape[1]
+        logsumexp = query.new_empty((batch, heads, lse_length), dtype=torch.float32)  # (B, H, S')
+        rng_state = query.new_empty((2,), dtype=torch.int64) if dropout else query.new_empty((0,), dtype=torch.int64)
+        saved = [query, key, value, output, logsumexp, rng_state]
+        ctx.has_mask = mask is not None
+        if mask is not None:
+            saved.append(mask)
+        ctx.save_for_backward(*saved)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        query, key, value = ctx.saved_tensors[:3]
+        grad_query = torch.empty_like(query)
+        grad_key = torch.empty_like(key)
+        grad_value = torch.empty_like(value)
+        return grad_query, grad_key, grad_value, None, None, None
+
+
+class CudaEmulation:
+    """Makes a CPU trace keep the tensors a CUDA device of ``compute_capability`` would keep (a context)."""
+
+    def __init__(self, compute_capability: tuple[int, int]) -> None:
+        self.compute_capability = compute_capability
+        self._originals: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> CudaEmulation:
+        for owner, name in CUDA_FP32_FUNCTIONS:
+            self._swap(owner, name, _in_fp32(getattr(owner, name)))
+        self._swap(F, "scaled_dot_product_attention", functools.partial(self._attention,
+                                                                        F.scaled_dot_product_attention))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        while self._originals:
+            owner, name, original = self._originals.pop()
+            setattr(owner, name, original)
+
+    def _swap(self, owner: Any, name: str, replacement: Any) -> None:
+        self._originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def _attention(self, math_attention: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        kernel = attention_kernel(self.compute_capability, dtype, attn_mask is not None, query.shape[-1])
+        if kernel == "math":
+            return math_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                  scale=scale, enable_gqa=enable_gqa)
+        if dtype != query.dtype:  # autocast casts the inputs of SDPA
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            repeats = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        length = query.shape[2]
+        lse_length = length if kernel == "flash" else -(-length // 32) * 32
+        output: torch.Tensor = _FusedAttention.apply(query, key, value, attn_mask, lse_length, dropout_p > 0)
+        return output
+
+
+def _in_fp32(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled("cpu") and any(
+                isinstance(leaf, torch.Tensor) and leaf.dtype in LOW_PRECISION for leaf in tree_leaves(args)):
+            args, kwargs = tree_map(_to_fp32, args), tree_map(_to_fp32, kwargs)
+        return function(*args, **kwargs)
+
+    return run
+
+
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
+        return value.float()
+    return value

@@ -1,0 +1,256 @@
+"""Predict the peak memory of a training step without running it: a fake-tensor trace of the real step.
+
+The trace builds the model with the engine's own builder and techniques
+(:func:`memfit.build.build_with_techniques`), runs the engine's own window step
+(:func:`memfit.step.accumulate_window`) and optimizer step (:func:`memfit.techniques.stability.guarded_step`),
+all under ``FakeTensorMode`` on CPU: tensors carry shapes and dtypes but no data, so a 7B-parameter config
+costs no parameter memory here. A :class:`~memfit.memory.tracker.StorageTracker` counts live storages
+exactly as it does in a real CPU run, so with ``device="cpu"`` the estimate equals the run's tracked peak.
+
+Steady state: AdamW creates its state lazily in the first optimizer step, so the trace runs ``steps``
+(default 2) full windows and the peak is taken over all of them; step 2 is the first with the state live
+during forward and backward. For CUDA targets, :mod:`memfit.memory.emulation` switches the autocast policy
+and attention kernel to CUDA's and the tracker rounds storages to the allocator's 512-byte blocks.
+
+Modelled rather than traced: the GradScaler's found-inf check reads a value, so fp16 traces run without the
+scaler and add its state (scale, growth tracker, found-inf, inverse scale: four one-element tensors).
+``reserved`` approximates the caching allocator: blocks of 1 MiB or more rounded up to 2 MiB, smaller blocks
+packed into 2 MiB segments. ``non_pytorch_bytes`` is the CUDA context and library workspaces, from the
+device profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memfit.build import build_with_techniques, depth_problems
+from memfit.config import TrainConfig
+from memfit.data.batches import Batch
+from memfit.devices import DeviceProfile, resolve_profile
+from memfit.errors import ConfigError, Problems
+from memfit.memory.emulation import CudaEmulation
+from memfit.memory.tracker import StorageTracker
+from memfit.models import ModelSpec, resolve_model
+from memfit.step import accumulate_window, item_count
+from memfit.techniques.optim import build_optimizer
+from memfit.techniques.precision import Precision, resolve_precision
+from memfit.techniques.stability import assume_finite, guarded_step, read_values
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+CUDA_BLOCK_BYTES = 512
+SEGMENT_BYTES = 2 * 1024**2
+LARGE_BLOCK_BYTES = 1024**2
+SCALER_TENSORS = 4
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    peak_bytes: int
+    """Steady-state peak of allocated bytes (the tracked peak on CPU)."""
+    peak_reserved_bytes: int
+    """Approximate peak reserved by the caching allocator (equal to ``peak_bytes`` on CPU)."""
+    non_pytorch_bytes: int
+    breakdown: dict[str, int]
+    """Bytes per category live at the peak."""
+    phases: dict[str, int]
+    """Peak bytes per phase: forward, backward, optimizer, zero_grad."""
+    peak_phase: str
+    device: str
+    device_memory_bytes: int
+    fits: bool | None
+    """Whether reserved + non-PyTorch bytes fit the device; ``None`` on CPU (no fixed budget)."""
+    headroom_bytes: int | None
+    micro_batch_size: int
+    accumulation_steps: int
+    sequence_length: int | None
+    image_size: int | None
+    precision: str
+    config: dict[str, Any]
+    seconds: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_reserved_bytes + self.non_pytorch_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
+             image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False) -> Estimate:
+    """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
+
+    ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
+    measurement the estimate is checked against.
+    """
+    started = time.perf_counter()
+    config.validate()
+    problems = Problems()
+    profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
+    spec = problems.collect(lambda: resolve_model(config.model))
+    precision_name = config.precision
+    if profile is not None:
+        precision_name, precision_problems = resolve_precision(config.precision, profile.as_device(),
+                                                               force_cpu_fp16=config.force_cpu_fp16)
+        problems.lines.extend(precision_problems)
+    if spec is not None:
+        problems.lines.extend(depth_problems(config, spec))
+        problems.lines.extend(shape_problems(spec, seq_len or config.max_length, image_size))
+    problems.raise_if_any(ConfigError)
+    assert profile is not None and spec is not None
+    length = seq_len or config.max_length
+    size = image_size or int(getattr(spec.hf_config, "image_size", 0))
+    spec = _config_only(spec, size if spec.modality == "vision" else None)
+    precision = Precision(precision_name, "cpu")  # traced with CPU autocast, CUDA differences emulated
+    tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if profile.kind == "cuda" else 1)
+    reserved = ReservedEstimate() if profile.kind == "cuda" else None
+    if execute and profile.kind != "cpu":
+        raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
+    # Host batches and their item counts are made before the fake mode: counting reads label values.
+    micro = config.resolved_micro_batch_size
+    sizes = [min(micro, config.effective_batch - start) for start in range(0, config.effective_batch, micro)]
+    windows = [[synthetic_batch(spec, size, length) for size in sizes] for _ in range(steps)]
+    window_items = [sum(item_count(batch) for batch in window) for window in windows]
+    fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
+    if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
+        windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
+                   for window in windows]
+    with fake_mode or contextlib.nullcontext(), (contextlib.nullcontext() if execute else _no_init_weights()):
+        model = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
+                                      pad_token_id=0)
+        model.train()
+        emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
+        with tracker, emulation or contextlib.nullcontext():
+            if reserved is not None:
+                reserved.attach(tracker)
+            _trace_steps(model, config, precision, tracker, windows, window_items, fake=not execute,
+                         cuda_target=profile.kind == "cuda")
+    scaler_bytes = SCALER_TENSORS * tracker.round_to if precision.uses_scaler else 0
+    peak = tracker.peak_bytes + scaler_bytes
+    breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
+    breakdown["temporaries"] += scaler_bytes
+    peak_reserved = (reserved.peak_bytes + scaler_bytes) if reserved is not None else peak
+    non_pytorch = profile.non_pytorch_bytes
+    fits = headroom = None
+    if profile.kind == "cuda":
+        headroom = profile.memory_bytes - peak_reserved - non_pytorch
+        fits = headroom >= 0
+    phases = dict(tracker.phase_peaks)
+    return Estimate(
+        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=non_pytorch, breakdown=breakdown,
+        phases=phases, peak_phase=max(phases, key=lambda name: phases[name]), device=profile.name,
+        device_memory_bytes=profile.memory_bytes, fits=fits, headroom_bytes=headroom,
+        micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
+        sequence_length=length if spec.modality == "text" else None,
+        image_size=size if spec.modality == "vision" else None, precision=precision.name,
+        config=config.to_dict(), seconds=time.perf_counter() - started)
+
+
+def _trace_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, tracker: StorageTracker,
+                 windows: list[list[Batch]], window_items: list[int], *, fake: bool, cuda_target: bool) -> None:
+    """The engine's window and optimizer step, ``steps`` times, on synthetic full-length batches."""
+    device = torch.device("cpu")
+    tracker.track_module(model)
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    for _, parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
+        parameter.register_post_accumulate_grad_hook(
+            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
+    optimizer = build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
+                                momentum=config.momentum,
+                                # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
+                                foreach=config.foreach if config.foreach is not None else cuda_target)
+    while windows:
+        micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
+        window_loss = accumulate_window(model, micro_batches, window_items.pop(0), precision=precision,
+                                        scaler=None, device=device, phases=tracker)
+        with tracker.phase("optimizer"):
+            guarded_step(optimizer, trained, window_loss, scaler=None, max_grad_norm=config.max_grad_norm,
+                         read=assume_finite if fake else read_values)
+            state = [(key, value) for per_param in optimizer.state.values() for key, value in per_param.items()
+                     if isinstance(value, torch.Tensor)]
+            tracker.relabel([value for _, value in state], "optimizer_state")
+            if cuda_target:  # Adam's step counters stay on the host unless the optimizer is fused or capturable
+                tracker.forget([value for key, value in state if key == "step"])
+        del window_loss, micro_batches
+        with tracker.phase("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
+
+
+def synthetic_batch(spec: ModelSpec, batch_size: int, length: int) -> Batch:
+    """A host batch of the given shape: texts at full length, the worst case padding can reach.
+
+    One position is masked out, as in any padded batch: transformers skips building the attention mask when
+    the mask is all ones, a branch a real padded batch never takes.
+    """
+    labels = torch.zeros(batch_size, dtype=torch.long)  # (B,)
+    if spec.modality == "vision":
+        channels, size = int(spec.hf_config.num_channels), int(spec.hf_config.image_size)
+        return {"pixel_values": torch.zeros(batch_size, channels, size, size), "labels": labels}  # (B, C, H, W)
+    attention_mask = torch.ones(batch_size, length, dtype=torch.long)  # (B, S)
+    if length > 1:
+        attention_mask[-1, -1] = 0
+    return {"input_ids": torch.zeros(batch_size, length, dtype=torch.long),  # (B, S)
+            "attention_mask": attention_mask, "labels": labels}
+
+
+def shape_problems(spec: ModelSpec, length: int, image_size: int | None) -> list[str]:
+    hf = spec.hf_config
+    if spec.modality == "text":
+        limit = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
+        if limit is not None and length > limit:
+            return [f"--seq-len {length} exceeds {spec.name}'s {limit} positions; use at most {limit}"]
+        return []
+    size = image_size or int(hf.image_size)
+    patch = int(getattr(hf, "patch_size", 1))
+    if size % patch:
+        return [f"--image-size {size} does not divide into {patch}x{patch} patches; use a multiple of {patch}"]
+    return []
+
+
+def _config_only(spec: ModelSpec, image_size: int | None) -> ModelSpec:
+    """The same architecture without weights (values are irrelevant to memory), at the requested image size."""
+    hf_config = spec.hf_config
+    if image_size is not None and image_size != getattr(hf_config, "image_size", image_size):
+        hf_config = hf_config.__class__.from_dict({**hf_config.to_dict(), "image_size": image_size})
+    return dataclasses.replace(spec, hf_config=hf_config, weights_dir=None)
+
+
+@contextlib.contextmanager
+def _no_init_weights() -> Any:
+    """Skip weight initialisation (``trunc_normal_`` reads values, which fake tensors do not have)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
+    with no_init_weights():
+        yield
+
+
+class ReservedEstimate:
+    """Approximate caching-allocator reserved bytes, fed by the tracker's live storages."""
+
+    def __init__(self) -> None:
+        self.large_bytes = 0
+        self.small_bytes = 0
+        self.peak_bytes = 0
+
+    def attach(self, tracker: StorageTracker) -> None:
+        tracker.listeners.append(self.update)
+
+    def update(self, nbytes: int) -> None:
+        """``nbytes`` > 0 for an allocation, < 0 for a free (already 512-rounded)."""
+        size = abs(nbytes)
+        sign = 1 if nbytes > 0 else -1
+        if size >= LARGE_BLOCK_BYTES:
+            self.large_bytes += sign * (-(-size // SEGMENT_BYTES) * SEGMENT_BYTES)
+        else:
+            self.small_bytes += sign * size
+        reserved = self.large_bytes + -(-self.small_bytes // SEGMENT_BYTES) * SEGMENT_BYTES
+        self.peak_bytes = max(self.peak_bytes, reserved)

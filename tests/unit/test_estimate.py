@@ -1,0 +1,104 @@
+"""The estimator: a fake-tensor trace of the engine's own step, exact against a real CPU run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfit import TrainConfig
+from memfit.errors import ConfigError
+from memfit.memory.estimate import CATEGORIES, estimate
+from tests.conftest import TINY_BERT, TINY_GPT2, TINY_VIT, build_tiny_bert, write_model_dir
+
+ARCHITECTURES = {"bert": {**TINY_BERT, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
+                 "gpt2": TINY_GPT2, "vit": {**TINY_VIT, "image_size": 16}}
+
+# Each dimension of the grid is covered at least once, on every architecture for the defaults.
+GRID: list[tuple[str, dict[str, Any]]] = [
+    *((arch, {"precision": "fp32"}) for arch in ARCHITECTURES),
+    *((arch, {"precision": "bf16", "checkpointing": "full"}) for arch in ARCHITECTURES),
+    ("bert", {"precision": "bf16", "checkpointing": "every-n", "micro_batch_size": 2}),
+    ("gpt2", {"precision": "fp32", "accumulation_steps": 4, "freeze_embeddings": True}),
+    ("vit", {"precision": "bf16", "train_top_layers": 1, "optimizer": "sgd"}),
+    ("bert", {"precision": "fp32", "foreach": True}),
+    ("bert", {"precision": "fp32", "foreach": False, "max_grad_norm": None}),
+    ("gpt2", {"precision": "bf16", "optimizer": "sgd", "momentum": 0.0, "micro_batch_size": 3}),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), GRID, ids=[f"{a}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                                                           for a, o in GRID])
+def test_cpu_estimate_equals_a_real_cpu_run(tmp_path: Path, arch: str, overrides: dict[str, Any]) -> None:
+    model = write_model_dir(tmp_path / arch, ARCHITECTURES[arch])
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, **overrides)
+    predicted = estimate(config, device="cpu")
+    measured = estimate(config, device="cpu", execute=True)
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.phases == measured.phases
+    assert predicted.breakdown == measured.breakdown
+    assert sum(predicted.breakdown.values()) == predicted.peak_bytes
+    assert predicted.breakdown["parameters"] > 0
+
+
+def test_steady_state_needs_the_second_step(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="fp32")
+    one, two = estimate(config, steps=1), estimate(config, steps=2)
+    assert two.phases["forward"] > one.phases["forward"]  # AdamW's state is live in step 2's forward
+    # exp_avg and exp_avg_sq per parameter, plus AdamW's fp32 step counter per parameter (host-side on CUDA)
+    counters = 4 * sum(1 for _ in build_tiny_bert().parameters())
+    assert two.breakdown["optimizer_state"] == 2 * two.breakdown["gradients"] + counters
+
+
+def test_breakdown_follows_the_techniques(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    base = {"model": str(model), "effective_batch": 8, "max_length": 24, "precision": "fp32"}
+    plain = estimate(TrainConfig(**base))
+    frozen = estimate(TrainConfig(**base, train_top_layers=1))
+    sgd = estimate(TrainConfig(**base, optimizer="sgd"))
+    assert frozen.breakdown["gradients"] < plain.breakdown["gradients"] / 4
+    assert sgd.breakdown["optimizer_state"] == plain.breakdown["gradients"]  # one momentum buffer each
+    assert set(plain.breakdown) == set(CATEGORIES)
+
+
+def test_cuda_target_rounds_blocks_and_checks_the_budget(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="auto")
+    result = estimate(config, device="1080ti")
+    assert result.precision == "fp16"  # auto on a card without native bf16
+    assert result.peak_bytes % 512 == 0 and result.peak_reserved_bytes >= result.peak_bytes
+    assert result.fits is True and result.headroom_bytes == (result.device_memory_bytes - result.total_bytes)
+    assert result.peak_phase == "optimizer"
+    assert result.breakdown["optimizer_state"] == 2 * result.breakdown["gradients"]  # step counters on the host
+    assert estimate(config, device="a100-80").precision == "bf16"
+
+
+def test_fused_attention_keeps_no_scores_on_cuda_targets(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "bert", {**TINY_BERT, "attention_probs_dropout_prob": 0.1})
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=128, precision="fp16",
+                         force_cpu_fp16=True, optimizer="sgd", momentum=0.0)
+    cpu = estimate(config, device="cpu")  # math path with dropout: S x S probabilities and masks saved
+    gpu = estimate(config, device="t4")  # memory-efficient kernel: log-sum-exp only
+    assert gpu.phases["forward"] < cpu.phases["forward"]
+
+
+def test_big_models_are_estimated_without_their_memory() -> None:
+    config = TrainConfig(model="bert-large", micro_batch_size=8, effective_batch=8, max_length=512,
+                         precision="fp16", checkpointing="full")
+    result = estimate(config, device="1080ti")
+    assert result.breakdown["parameters"] > 1.2e9  # 335M fp32 parameters, never allocated here
+    assert result.fits is True
+
+
+def test_bad_estimate_inputs_are_reported_together(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        estimate(TrainConfig(model="bert-base", precision="bf16"), device="1080ti", seq_len=1024)
+    problems = caught.value.problems
+    assert any("no native bf16" in p for p in problems)
+    assert any("--seq-len 1024 exceeds bert-base's 512 positions" in p for p in problems)
+    with pytest.raises(ConfigError, match="is not a known device \\(known: 1080ti, 2080ti"):
+        estimate(TrainConfig(), device="gtx480")
+    with pytest.raises(ConfigError, match="does not divide into 16x16 patches"):
+        estimate(TrainConfig(model="vit-base"), device="cpu", image_size=100)
