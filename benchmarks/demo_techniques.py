@@ -16,6 +16,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -23,7 +24,7 @@ from rich.console import Console
 from memfit import TrainConfig, train
 from memfit.report import format_bytes
 
-SETUPS = {
+SETUPS: dict[str, dict[str, Any]] = {
     "fp32": {"precision": "fp32"},
     "bf16": {"precision": "bf16"},
     "bf16 + checkpointing": {"precision": "bf16", "checkpointing": "full"},
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per setup")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     quiet = Console(file=io.StringIO())  # the runs' own output is not the table
     for name, overrides in SETUPS.items():
         with tempfile.TemporaryDirectory() as directory:

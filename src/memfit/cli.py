@@ -198,9 +198,10 @@ def print_estimate(console: Console, result: Any) -> None:
 
     shape = (f"seq len {result.sequence_length}" if result.sequence_length is not None
              else f"image {result.image_size}px")
-    table = Table(title=f"memfit estimate: {result.config['model']} on {result.device}, micro-batch "
-                        f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}",
-                  title_justify="left")
+    console.print(f"[bold]memfit estimate[/]: {result.config['model']} on {result.device}, micro-batch "
+                  f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}, "
+                  f"checkpointing {result.config['checkpointing']}, {result.config['optimizer']}")
+    table = Table()
     table.add_column("at the peak")
     table.add_column("bytes", justify="right")
     for name, value in result.breakdown.items():
@@ -217,4 +218,4 @@ def print_estimate(console: Console, result: Any) -> None:
         verdict = "[green]fits" if result.fits else "[red]does not fit"
         console.print(f"{verdict}[/] in {format_bytes(result.device_memory_bytes)}: needs "
                       f"{format_bytes(result.total_bytes)}, headroom {format_bytes(result.headroom_bytes)}")
-    console.print(f"traced in {result.seconds:.1f} s")
+    console.print(f"traced {result.traced_ops:,} ops in {result.seconds:.1f} s")

@@ -7,7 +7,8 @@ also answers yes on older cards where bf16 is emulated and slow, so it is not tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -138,6 +139,31 @@ def resolve_profile(name: str) -> DeviceProfile:
         return _profile_from_file(path)
     raise ConfigError(f"--device {name!r} is not a known device (known: {', '.join(PROFILES)}) "
                       "nor a .toml/.json profile file")
+
+
+def profile_for(device: Device, *, memory_bytes: int | None = None) -> DeviceProfile:
+    """The profile of a device this process sees: the built-in one whose name and capability match, with
+    the memory it really has (or ``memory_bytes``, e.g. a per-process cap); else a profile built from its
+    properties, with fp32 throughput unknown (0)."""
+    if device.kind == "cpu":
+        return PROFILES["cpu"]
+    memory = memory_bytes if memory_bytes is not None else device.total_memory_bytes or 0
+    tokens = set(re.split(r"[^a-z0-9]+", device.name.lower()))
+    candidates = [profile for profile in PROFILES.values()
+                  if profile.compute_capability == device.compute_capability and _model_token(profile) in tokens]
+    if candidates:  # e.g. A100 40GB vs 80GB: the one closest in memory
+        best = min(candidates, key=lambda p: abs(p.memory_bytes - (device.total_memory_bytes or 0)))
+        return replace(best, memory_bytes=memory)
+    return DeviceProfile(name=device.name, description=device.name, memory_bytes=memory,
+                         compute_capability=device.compute_capability, fp32_flops=0.0, fp16_flops=0.0,
+                         bf16_flops=0.0, memory_bandwidth=0.0, tensor_cores=(device.compute_capability or (0, 0))
+                         >= (7, 0), non_pytorch_bytes=CUDA_CONTEXT_BYTES)
+
+
+def _model_token(profile: DeviceProfile) -> str:
+    """The model number in a profile's description: ``1080`` for "NVIDIA GeForce GTX 1080 Ti"."""
+    words = re.split(r"[^a-z0-9]+", profile.description.lower())
+    return next((word for word in words if any(char.isdigit() for char in word)), profile.name)
 
 
 def _profile_from_file(path: Path) -> DeviceProfile:

@@ -7,10 +7,12 @@ it is suspended while ``Tensor.backward`` runs, which is exactly when checkpoint
 forward):
 
 - **Autocast op policy.** CPU and CUDA autocast cast the same matmul-class ops (linear, matmul, bmm, baddbmm,
-  addmm, conv, SDPA) to 16 bits and share the weight-cast cache, so CPU autocast is kept for those. CUDA
-  additionally runs an fp32 list (softmax, log_softmax, layer_norm, group_norm, exp, log, pow, sum, cumsum,
-  norm, rsqrt, the losses, ...) in fp32 when handed fp16/bf16 inputs, where CPU autocast keeps the input
-  dtype. The wrappers upcast those inputs, so the trace stores fp32 outputs exactly where CUDA would.
+  addmm, einsum, conv, SDPA) to 16 bits and share the weight-cast cache, so CPU autocast is kept for those;
+  mv, addmv and addr, which only CUDA casts, are cast by a wrapper. CUDA additionally runs an fp32 list
+  (softmax, log_softmax, layer_norm, rms_norm, group_norm, exp, log, pow, sum, cumsum, norms, rsqrt, the
+  losses, upsampling, ...) in fp32 when handed fp16/bf16 inputs, where CPU autocast keeps the input dtype.
+  The wrappers upcast those inputs, so the trace stores fp32 outputs exactly where CUDA would. Not emulated:
+  RNN cells (CUDA casts them; transformers do not use them).
 - **Attention kernel.** ``scaled_dot_product_attention`` picks flash attention on sm80+ for fp16/bf16 without
   an arbitrary mask, memory-efficient attention on sm50+ otherwise. Both save only q, k, v, the output and a
   float32 log-sum-exp of shape (B, H, S) (memory-efficient pads S to a multiple of 32), plus a philox seed
@@ -35,21 +37,31 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# CUDA autocast's fp32 list (ops autocast runs in float32), as the torch-level callables models reach them by.
+# CUDA autocast's fp32 list (ATen's AT_FORALL_FP32 and AT_FORALL_FP32_SET_OPT_DTYPE: run in float32), as the
+# torch-level callables models reach them by. tests/unit/test_emulation.py checks it against the installed
+# torch's own ATen/autocast_mode.h, op by op.
 CUDA_FP32_FUNCTIONS: tuple[tuple[Any, str], ...] = (
     *((F, name) for name in (
-        "softmax", "log_softmax", "layer_norm", "group_norm", "softplus", "cross_entropy", "nll_loss", "kl_div",
-        "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "binary_cross_entropy_with_logits",
+        "softmax", "log_softmax", "layer_norm", "group_norm", "rms_norm", "softplus", "cross_entropy", "nll_loss",
+        "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "binary_cross_entropy_with_logits",
         "cosine_similarity", "margin_ranking_loss", "soft_margin_loss", "multilabel_margin_loss",
         "multi_margin_loss", "triplet_margin_loss", "poisson_nll_loss", "cosine_embedding_loss",
-        "hinge_embedding_loss")),
+        "hinge_embedding_loss", "pdist", "interpolate")),
     *((torch, name) for name in (
-        "softmax", "log_softmax", "layer_norm", "group_norm", "exp", "expm1", "log", "log10", "log2", "log1p",
-        "reciprocal", "rsqrt", "sinh", "cosh", "tan", "acos", "asin", "erfinv", "pow", "sum", "prod", "cumsum",
-        "cumprod", "norm", "logsumexp", "dist", "cdist", "renorm")),
+        "softmax", "log_softmax", "layer_norm", "group_norm", "rms_norm", "exp", "expm1", "log", "log10", "log2",
+        "log1p", "reciprocal", "rsqrt", "sinh", "cosh", "tan", "acos", "asin", "erfinv", "pow", "sum", "prod",
+        "cumsum", "cumprod", "norm", "nuclear_norm", "logsumexp", "dist", "cdist", "pdist", "renorm")),
+    *((torch.linalg, name) for name in ("vector_norm", "matrix_norm")),
     *((torch.Tensor, name) for name in (
-        "softmax", "log_softmax", "exp", "log", "pow", "sum", "prod", "cumsum", "rsqrt", "reciprocal", "norm",
-        "logsumexp")),
+        "softmax", "log_softmax", "exp", "expm1", "log", "log10", "log2", "log1p", "pow", "__pow__", "sum", "prod",
+        "cumsum", "cumprod", "rsqrt", "reciprocal", "sinh", "cosh", "tan", "acos", "asin", "erfinv", "norm",
+        "logsumexp", "renorm", "dist")),
+)
+
+# Matrix-vector ops that CUDA autocast casts to 16 bits and CPU autocast leaves in fp32.
+CUDA_ONLY_LOW_PRECISION_FUNCTIONS: tuple[tuple[Any, str], ...] = (
+    *((torch, name) for name in ("addmv", "addr", "mv")),
+    *((torch.Tensor, name) for name in ("addmv", "addr", "mv")),
 )
 
 
@@ -99,6 +111,8 @@ class CudaEmulation:
     def __enter__(self) -> CudaEmulation:
         for owner, name in CUDA_FP32_FUNCTIONS:
             self._swap(owner, name, _in_fp32(getattr(owner, name)))
+        for owner, name in CUDA_ONLY_LOW_PRECISION_FUNCTIONS:
+            self._swap(owner, name, _in_low_precision(getattr(owner, name)))
         self._swap(F, "scaled_dot_product_attention", functools.partial(self._attention,
                                                                         F.scaled_dot_product_attention))
         return self
@@ -141,6 +155,23 @@ def _in_fp32(function: Callable[..., Any]) -> Callable[..., Any]:
         return function(*args, **kwargs)
 
     return run
+
+
+def _in_low_precision(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            args, kwargs = tree_map(functools.partial(_to_low, dtype=dtype), (args, kwargs))
+        return function(*args, **kwargs)
+
+    return run
+
+
+def _to_low(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return value.to(dtype)
+    return value
 
 
 def _to_fp32(value: Any) -> Any:

@@ -10,12 +10,12 @@ exactly as it does in a real CPU run, so with ``device="cpu"`` the estimate equa
 Steady state: AdamW creates its state lazily in the first optimizer step, so the trace runs ``steps``
 (default 2) full windows and the peak is taken over all of them; step 2 is the first with the state live
 during forward and backward. For CUDA targets, :mod:`memfit.memory.emulation` switches the autocast policy
-and attention kernel to CUDA's and the tracker rounds storages to the allocator's 512-byte blocks.
+and attention kernel to CUDA's, and the tracker counts each storage at the size of the block the caching
+allocator would serve it from (:mod:`memfit.memory.allocator`), which also gives ``reserved``.
 
 Modelled rather than traced: the GradScaler's found-inf check reads a value, so fp16 traces run without the
 scaler and add its state (scale, growth tracker, found-inf, inverse scale: four one-element tensors).
-``reserved`` approximates the caching allocator: blocks of 1 MiB or more rounded up to 2 MiB, smaller blocks
-packed into 2 MiB segments. ``non_pytorch_bytes`` is the CUDA context and library workspaces, from the
+``non_pytorch_bytes`` is the CUDA context and library workspaces, from the
 device profile.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,18 +36,16 @@ from memfit.config import TrainConfig
 from memfit.data.batches import Batch
 from memfit.devices import DeviceProfile, resolve_profile
 from memfit.errors import ConfigError, Problems
+from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation
 from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, resolve_model
-from memfit.step import accumulate_window, item_count
+from memfit.step import PhaseTracker, accumulate_window, item_count
 from memfit.techniques.optim import build_optimizer
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, guarded_step, read_values
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
-CUDA_BLOCK_BYTES = 512
-SEGMENT_BYTES = 2 * 1024**2
-LARGE_BLOCK_BYTES = 1024**2
 SCALER_TENSORS = 4
 
 
@@ -73,6 +72,8 @@ class Estimate:
     image_size: int | None
     precision: str
     config: dict[str, Any]
+    traced_ops: int
+    """ATen ops dispatched in the trace (forward, backward and optimizer of every traced step)."""
     seconds: float
 
     @property
@@ -83,14 +84,23 @@ class Estimate:
         return dataclasses.asdict(self)
 
 
-def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
-             image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False) -> Estimate:
-    """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
+@dataclass(kw_only=True, slots=True)
+class TraceInputs:
+    """What a traced (or measured) step runs on, validated: the architecture without weights, the precision
+    resolved for the target, and ``steps`` windows of synthetic host batches at full length."""
 
-    ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
-    measurement the estimate is checked against.
-    """
-    started = time.perf_counter()
+    profile: DeviceProfile
+    spec: ModelSpec
+    precision: str
+    sequence_length: int | None
+    image_size: int | None
+    windows: list[list[Batch]]
+    window_items: list[int]
+
+
+def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
+                  image_size: int | None = None, steps: int = 2) -> TraceInputs:
+    """Validate ``config`` for the target and make the inputs; every problem is reported at once."""
     config.validate()
     problems = Problems()
     profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
@@ -106,18 +116,34 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     problems.raise_if_any(ConfigError)
     assert profile is not None and spec is not None
     length = seq_len or config.max_length
-    size = image_size or int(getattr(spec.hf_config, "image_size", 0))
-    spec = _config_only(spec, size if spec.modality == "vision" else None)
-    precision = Precision(precision_name, "cpu")  # traced with CPU autocast, CUDA differences emulated
-    tracker = StorageTracker(round_to=CUDA_BLOCK_BYTES if profile.kind == "cuda" else 1)
-    reserved = ReservedEstimate() if profile.kind == "cuda" else None
+    vision = spec.modality == "vision"
+    size = (image_size or int(spec.hf_config.image_size)) if vision else None
+    spec = _config_only(spec, size)
+    # Host batches and their item counts, made before any fake mode: counting reads label values.
+    micro = config.resolved_micro_batch_size
+    counts = [min(micro, config.effective_batch - start) for start in range(0, config.effective_batch, micro)]
+    windows = [[synthetic_batch(spec, count, length) for count in counts] for _ in range(steps)]
+    return TraceInputs(profile=profile, spec=spec, precision=precision_name,
+                       sequence_length=None if vision else length, image_size=size, windows=windows,
+                       window_items=[sum(item_count(batch) for batch in window) for window in windows])
+
+
+def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
+             image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False) -> Estimate:
+    """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
+
+    ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
+    measurement the estimate is checked against.
+    """
+    started = time.perf_counter()
+    trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps)
+    profile, spec, length, size = trace.profile, trace.spec, trace.sequence_length, trace.image_size
+    windows, window_items = trace.windows, trace.window_items
+    precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
+    allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
+    tracker = StorageTracker(allocator=allocator)
     if execute and profile.kind != "cpu":
         raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
-    # Host batches and their item counts are made before the fake mode: counting reads label values.
-    micro = config.resolved_micro_batch_size
-    sizes = [min(micro, config.effective_batch - start) for start in range(0, config.effective_batch, micro)]
-    windows = [[synthetic_batch(spec, size, length) for size in sizes] for _ in range(steps)]
-    window_items = [sum(item_count(batch) for batch in window) for window in windows]
     fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
@@ -128,59 +154,72 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         model.train()
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
         with tracker, emulation or contextlib.nullcontext():
-            if reserved is not None:
-                reserved.attach(tracker)
-            _trace_steps(model, config, precision, tracker, windows, window_items, fake=not execute,
-                         cuda_target=profile.kind == "cuda")
-    scaler_bytes = SCALER_TENSORS * tracker.round_to if precision.uses_scaler else 0
+            # the scaler's state is made at the first backward and lives on: counted from the start
+            scaler_bytes = sum(allocator.allocate(-1 - key, 4) if allocator is not None else 4
+                               for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
+            run_steps(model, config, precision, windows, window_items, device=torch.device("cpu"),
+                      phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
+                      cuda=profile.kind == "cuda")
     peak = tracker.peak_bytes + scaler_bytes
     breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
     breakdown["temporaries"] += scaler_bytes
-    peak_reserved = (reserved.peak_bytes + scaler_bytes) if reserved is not None else peak
+    peak_reserved = allocator.peak_reserved_bytes if allocator is not None else peak
     non_pytorch = profile.non_pytorch_bytes
     fits = headroom = None
     if profile.kind == "cuda":
         headroom = profile.memory_bytes - peak_reserved - non_pytorch
         fits = headroom >= 0
-    phases = dict(tracker.phase_peaks)
+    phases = {name: value + scaler_bytes for name, value in tracker.phase_peaks.items()}
     return Estimate(
         peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=non_pytorch, breakdown=breakdown,
         phases=phases, peak_phase=max(phases, key=lambda name: phases[name]), device=profile.name,
         device_memory_bytes=profile.memory_bytes, fits=fits, headroom_bytes=headroom,
         micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
-        sequence_length=length if spec.modality == "text" else None,
-        image_size=size if spec.modality == "vision" else None, precision=precision.name,
-        config=config.to_dict(), seconds=time.perf_counter() - started)
+        sequence_length=length, image_size=size, precision=precision.name,
+        config=config.to_dict(), traced_ops=tracker.op_count, seconds=time.perf_counter() - started)
 
 
-def _trace_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, tracker: StorageTracker,
-                 windows: list[list[Batch]], window_items: list[int], *, fake: bool, cuda_target: bool) -> None:
-    """The engine's window and optimizer step, ``steps`` times, on synthetic full-length batches."""
-    device = torch.device("cpu")
-    tracker.track_module(model)
+def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, windows: list[list[Batch]],
+              window_items: list[int], *, device: torch.device, phases: PhaseTracker,
+              tracker: StorageTracker | None = None, scaler: torch.amp.GradScaler | None = None,
+              read: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]] = read_values,
+              cuda: bool = False, after_step: Callable[[int], None] | None = None) -> None:
+    """The engine's window and optimizer step, once per window, on ``device``.
+
+    The estimator runs it on fake tensors (``read=assume_finite``) with ``tracker`` attributing storages to
+    categories; ``benchmarks/validate_estimator.py`` runs it on a real card. ``cuda``: the step runs (or is
+    traced for) a CUDA device, where torch defaults to foreach optimizer kernels and Adam's step counters live
+    on the host (unless the optimizer is fused or capturable), so the tracker does not count them.
+    ``after_step(i)`` runs after step ``i`` (from 1), e.g. to reset peak statistics after a warm-up.
+    """
+    phases.track_module(model)
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    for _, parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
-        parameter.register_post_accumulate_grad_hook(
-            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
+    if tracker is not None:
+        for _, parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
+            parameter.register_post_accumulate_grad_hook(
+                lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
     optimizer = build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
                                 momentum=config.momentum,
                                 # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
-                                foreach=config.foreach if config.foreach is not None else cuda_target)
-    while windows:
+                                foreach=config.foreach if config.foreach is not None else cuda)
+    for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
         window_loss = accumulate_window(model, micro_batches, window_items.pop(0), precision=precision,
-                                        scaler=None, device=device, phases=tracker)
-        with tracker.phase("optimizer"):
-            guarded_step(optimizer, trained, window_loss, scaler=None, max_grad_norm=config.max_grad_norm,
-                         read=assume_finite if fake else read_values)
-            state = [(key, value) for per_param in optimizer.state.values() for key, value in per_param.items()
-                     if isinstance(value, torch.Tensor)]
-            tracker.relabel([value for _, value in state], "optimizer_state")
-            if cuda_target:  # Adam's step counters stay on the host unless the optimizer is fused or capturable
-                tracker.forget([value for key, value in state if key == "step"])
+                                        scaler=scaler, device=device, phases=phases)
+        with phases.phase("optimizer"):
+            guarded_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=config.max_grad_norm,
+                         read=read)
+            if tracker is not None:
+                state = [(key, value) for per_param in optimizer.state.values()
+                         for key, value in per_param.items() if isinstance(value, torch.Tensor)]
+                tracker.relabel([value for _, value in state], "optimizer_state")
+                if cuda:
+                    tracker.forget([value for key, value in state if key == "step"])
         del window_loss, micro_batches
-        with tracker.phase("zero_grad"):
+        with phases.phase("zero_grad"):
             optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(step)
 
 
 def synthetic_batch(spec: ModelSpec, batch_size: int, length: int) -> Batch:
@@ -231,26 +270,3 @@ def _no_init_weights() -> Any:
         from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
     with no_init_weights():
         yield
-
-
-class ReservedEstimate:
-    """Approximate caching-allocator reserved bytes, fed by the tracker's live storages."""
-
-    def __init__(self) -> None:
-        self.large_bytes = 0
-        self.small_bytes = 0
-        self.peak_bytes = 0
-
-    def attach(self, tracker: StorageTracker) -> None:
-        tracker.listeners.append(self.update)
-
-    def update(self, nbytes: int) -> None:
-        """``nbytes`` > 0 for an allocation, < 0 for a free (already 512-rounded)."""
-        size = abs(nbytes)
-        sign = 1 if nbytes > 0 else -1
-        if size >= LARGE_BLOCK_BYTES:
-            self.large_bytes += sign * (-(-size // SEGMENT_BYTES) * SEGMENT_BYTES)
-        else:
-            self.small_bytes += sign * size
-        reserved = self.large_bytes + -(-self.small_bytes // SEGMENT_BYTES) * SEGMENT_BYTES
-        self.peak_bytes = max(self.peak_bytes, reserved)

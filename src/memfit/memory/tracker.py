@@ -5,8 +5,10 @@ and in-place results share their base's storage) and subtracted when that storag
 a weak-reference finalizer. The count is exact for tensors created while the tracker is active; tensors that
 existed before (parameters, buffers) are added with :meth:`StorageTracker.track`.
 
-``round_to`` rounds each storage up to a block size (512 emulates CUDA's caching allocator). Peaks are kept
-overall and per named phase (:meth:`StorageTracker.phase`).
+``round_to`` rounds each storage up to a block size. With ``allocator`` (a
+:class:`~memfit.memory.allocator.CachingAllocatorModel`), each storage is instead counted at the size of the
+block that CUDA's caching allocator would hand out for it, so the live count is ``memory_allocated`` of the
+target. Peaks are kept overall and per named phase (:meth:`StorageTracker.phase`).
 
 Every storage also carries a category, so the bytes live at the peak can be broken down: ``parameters`` and
 ``inputs`` are given when tracked, storages created in forward are ``activations`` (what autograd saves, plus
@@ -21,31 +23,36 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+if TYPE_CHECKING:
+    from memfit.memory.allocator import CachingAllocatorModel
+
 
 class StorageTracker(TorchDispatchMode):
-    def __init__(self, *, round_to: int = 1) -> None:
+    def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None) -> None:
         super().__init__()
         self.round_to = round_to
+        self.allocator = allocator
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.op_count = 0
+        """Ops dispatched while tracking: what a trace's cost scales with."""
         self.phase_peaks: dict[str, int] = {}
         self._phase: str | None = None
         self._sizes: dict[int, int] = {}
         self._categories: dict[int, str] = {}
         self.category_bytes: dict[str, int] = {}
         self.peak_breakdown: dict[str, int] = {}
-        self.listeners: list[Callable[[int], None]] = []
-        """Called with +bytes for each counted storage and -bytes when it is freed."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.op_count += 1
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
@@ -63,7 +70,8 @@ class StorageTracker(TorchDispatchMode):
             key = storage._cdata
             if key in self._sizes:
                 continue
-            nbytes = self._rounded(storage.nbytes())
+            raw = storage.nbytes()
+            nbytes = self.allocator.allocate(key, raw) if self.allocator is not None and raw else self._rounded(raw)
             self._sizes[key] = nbytes
             kind = category or ("activations" if self._phase == "forward" else "temporaries")
             self._categories[key] = kind
@@ -94,8 +102,6 @@ class StorageTracker(TorchDispatchMode):
                 self._release(key)
 
     def _grow(self, nbytes: int) -> None:
-        for listener in self.listeners:
-            listener(nbytes)
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
@@ -107,8 +113,8 @@ class StorageTracker(TorchDispatchMode):
         nbytes = self._sizes.pop(key, None)
         if nbytes is None:  # forgotten earlier
             return
-        for listener in self.listeners:
-            listener(-nbytes)
+        if self.allocator is not None:
+            self.allocator.free(key)
         self.live_bytes -= nbytes
         self.category_bytes[self._categories.pop(key)] -= nbytes
 

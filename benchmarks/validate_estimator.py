@@ -1,0 +1,222 @@
+"""Check ``memfit estimate`` against real training steps: predicted vs measured peak memory, per setup.
+
+On a CUDA machine each row builds the model with memfit's builder and techniques, runs the engine's window
+and optimizer step on the card (random init; values do not change memory), one warm-up step, then resets the
+peak statistics and runs a second step. ``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()``
+of that step are compared with the estimate for this card's profile (the same code path as
+``memfit estimate --device <card>``). Target: allocated within 1 %, reserved within 5 %.
+
+``--dry-run`` (any machine, no GPU needed) runs everything except the CUDA measurement: the same
+measurement routine on CPU tensors, checked against ``estimate(device="cpu")`` (must be 0 % off), plus the
+predictions of the CUDA grid for ``--device`` with the measured columns left empty.
+
+    .venv/bin/python benchmarks/validate_estimator.py --dry-run --json benchmarks/results/validate_estimator_dry.json
+    python benchmarks/validate_estimator.py --grid full --json results/validate_estimator_h200.json  # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit import TrainConfig
+from memfit.build import build_with_techniques
+from memfit.devices import DeviceProfile, profile_for, resolve_device, resolve_profile
+from memfit.memory.estimate import estimate, prepare_trace, run_steps
+from memfit.memory.monitor import Monitor
+from memfit.memory.tracker import StorageTracker
+from memfit.report import format_bytes
+from memfit.techniques.precision import Precision
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    length: int
+    """Sequence length (text) or image size (vision)."""
+    precision: str
+    checkpointing: str
+
+    @property
+    def vision(self) -> bool:
+        return self.model.startswith("vit") or Path(self.model).name.startswith("vit")
+
+    def config(self) -> TrainConfig:
+        return TrainConfig(model=self.model, micro_batch_size=self.batch, effective_batch=self.batch,
+                           max_length=self.length if not self.vision else 128, precision=self.precision,
+                           checkpointing=self.checkpointing)
+
+    def shape(self) -> dict[str, Any]:
+        return {"seq_len": None if self.vision else self.length, "image_size": self.length if self.vision else None}
+
+
+def cuda_grid(name: str) -> list[Case]:
+    """BERT-base/large and ViT-base/large at several shapes, fp32/fp16/bf16, with and without checkpointing."""
+    text = [("bert-base", 8, 128), ("bert-base", 32, 128), ("bert-base", 8, 512), ("bert-large", 8, 512)]
+    vision = [("vit-base", 8, 224), ("vit-base", 32, 224), ("vit-large", 8, 224)]
+    shapes = text + vision
+    precisions = ("fp32", "fp16", "bf16")
+    checkpointing = ("none", "full")
+    if name == "small":
+        shapes = [("bert-base", 8, 128), ("bert-large", 8, 512), ("vit-base", 8, 224)]
+    return [Case(model, batch, length, precision, ckpt) for model, batch, length in shapes
+            for precision in precisions for ckpt in checkpointing]
+
+
+def tiny_grid(directory: Path) -> list[Case]:
+    """Tiny random-init configs, so a CPU dry run measures real steps in seconds."""
+    import transformers
+
+    configs = {
+        "bert-tiny": transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=128, vocab_size=1000, max_position_embeddings=128,
+                                             architectures=["BertForSequenceClassification"]),
+        "vit-tiny": transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=128, image_size=32, patch_size=8,
+                                           architectures=["ViTForImageClassification"]),
+    }
+    paths = {}
+    for name, hf_config in configs.items():
+        hf_config.save_pretrained(directory / name)
+        paths[name] = str(directory / name)
+    return [Case(paths["bert-tiny"], 8, 64, precision, ckpt) for precision in ("fp32", "bf16")
+            for ckpt in ("none", "full")] + [Case(paths["vit-tiny"], 8, 32, "bf16", "full")]
+
+
+def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[str, int]:
+    """Peak bytes of step 2 (after a warm-up step) on ``device``: the CUDA allocator's, or tracked on CPU."""
+    config = case.config()
+    trace = prepare_trace(config, device=profile, **case.shape())
+    precision = Precision(trace.precision, device.type)
+    model = build_with_techniques(trace.spec, config, label_names=["0", "1"], pad_token_id=0)
+    model.train()
+    if device.type == "cuda":
+        model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
+        monitor = Monitor("cuda")
+
+        def reset_after_warm_up(step: int) -> None:
+            if step == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+
+        with monitor:
+            run_steps(model, config, precision, trace.windows, trace.window_items, device=device, phases=monitor,
+                      scaler=precision.make_scaler(init_scale=config.init_scale,
+                                                   growth_interval=config.growth_interval),
+                      cuda=True, after_step=reset_after_warm_up)
+            torch.cuda.synchronize()
+        result = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        return result
+    with StorageTracker() as tracker:
+        run_steps(model, config, precision, trace.windows, trace.window_items, device=device, phases=tracker)
+    return {"allocated": tracker.peak_bytes, "reserved": tracker.peak_bytes}
+
+
+def error_percent(predicted: int, measured: int | None) -> float | None:
+    return None if measured is None else round(100.0 * (predicted - measured) / measured, 3)
+
+
+def row(case: Case, profile: DeviceProfile, measured: dict[str, int] | None) -> dict[str, Any]:
+    started = time.perf_counter()
+    predicted = estimate(case.config(), device=profile, **case.shape())
+    seconds = time.perf_counter() - started
+    allocated = measured["allocated"] if measured else None
+    reserved = measured["reserved"] if measured else None
+    return {**asdict(case), "model": Path(case.model).name, "device": profile.name,
+            "predicted_allocated_bytes": predicted.peak_bytes, "measured_allocated_bytes": allocated,
+            "allocated_error_percent": error_percent(predicted.peak_bytes, allocated),
+            "predicted_reserved_bytes": predicted.peak_reserved_bytes, "measured_reserved_bytes": reserved,
+            "reserved_error_percent": error_percent(predicted.peak_reserved_bytes, reserved),
+            "peak_phase": predicted.peak_phase, "estimate_seconds": round(seconds, 2)}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any, as_bytes: bool = False) -> str:
+        if value is None:
+            return "unmeasured"
+        if isinstance(value, str):
+            return value
+        return format_bytes(value) if as_bytes else f"{value:+.2f} %" if isinstance(value, float) else str(value)
+
+    lines = ["| model | batch | len | precision | ckpt | device | predicted alloc | measured alloc | error | "
+             "predicted reserved | measured reserved | error |", "|" + "---|" * 12]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['length']} | {r['precision']} | {r['checkpointing']} | "
+                     f"{r['device']} | {cell(r['predicted_allocated_bytes'], True)} | "
+                     f"{cell(r['measured_allocated_bytes'], True)} | {cell(r['allocated_error_percent'])} | "
+                     f"{cell(r['predicted_reserved_bytes'], True)} | {cell(r['measured_reserved_bytes'], True)} | "
+                     f"{cell(r['reserved_error_percent'])} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", choices=("small", "full"), default="small")
+    parser.add_argument("--dry-run", action="store_true", help="no CUDA: measure on CPU, predict the CUDA grid")
+    parser.add_argument("--device", default="1080ti", help="profile predicted in a dry run [1080ti]")
+    parser.add_argument("--memory-gib", type=float, help="cap this process's CUDA memory (e.g. 11 for a 1080 Ti)")
+    parser.add_argument("--json", help="write {rows, machine, command} here")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    if args.dry_run:
+        with tempfile.TemporaryDirectory() as directory:
+            cpu = resolve_profile("cpu")
+            for case in tiny_grid(Path(directory)):
+                rows.append(row(case, cpu, measure(case, cpu, torch.device("cpu"))))
+        target = resolve_profile(args.device)
+        rows.extend(row(case, target, None) for case in cuda_grid(args.grid)
+                    if target.has_native_bf16 or case.precision != "bf16")
+    else:
+        if not torch.cuda.is_available():
+            sys.stderr.write("validate_estimator: no CUDA device; use --dry-run on this machine\n")
+            return 2
+        device = resolve_device("cuda")
+        memory = None
+        if args.memory_gib:
+            memory = int(args.memory_gib * GiB)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory / (device.total_memory_bytes or memory)))
+        profile = profile_for(device, memory_bytes=memory)
+        for case in cuda_grid(args.grid):
+            if case.precision == "bf16" and not profile.has_native_bf16:
+                continue
+            try:
+                rows.append(row(case, profile, measure(case, profile, torch.device("cuda"))))
+            except torch.OutOfMemoryError:
+                gc.collect()
+                torch.cuda.empty_cache()
+                rows.append({**row(case, profile, None), "measured_allocated_bytes": "OOM"})
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    table = markdown(rows)
+    print(table)
+    measured = [r for r in rows if isinstance(r["allocated_error_percent"], float)]
+    if measured:
+        worst = max(abs(r["allocated_error_percent"]) for r in measured)
+        worst_reserved = max(abs(r["reserved_error_percent"]) for r in measured)
+        print(f"\n{len(measured)} measured rows: worst allocated error {worst:.2f} %, "
+              f"worst reserved error {worst_reserved:.2f} %")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        machine = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+                   "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+        Path(args.json).write_text(json.dumps({"rows": rows, "machine": machine, "command": sys.argv}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

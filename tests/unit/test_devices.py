@@ -1,0 +1,52 @@
+"""Device profiles: the built-in table, user files, and matching the card this process sees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from memfit.devices import PROFILES, Device, profile_for, resolve_profile
+from memfit.errors import ConfigError
+
+GiB = 1024**3
+
+
+def test_pascal_has_no_fast_fp16_and_no_bf16() -> None:
+    pascal = PROFILES["1080ti"]
+    assert pascal.compute_capability == (6, 1) and pascal.memory_bytes == 11 * GiB
+    assert pascal.fp16_flops == pascal.fp32_flops and not pascal.tensor_cores and not pascal.has_native_bf16
+    assert PROFILES["a100-80"].has_native_bf16 and PROFILES["a100-80"].bf16_flops > 10 * PROFILES["a100-80"].fp32_flops
+
+
+def test_a_user_profile_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "mycard.toml"
+    path.write_text('name = "mycard"\nmemory_bytes = 8589934592\ncompute_capability = [7, 5]\n'
+                    'fp32_flops = 1e13\nfp16_flops = 4e13\ntensor_cores = true\n')
+    profile = resolve_profile(str(path))
+    assert (profile.name, profile.memory_bytes, profile.compute_capability) == ("mycard", 8 * GiB, (7, 5))
+    assert profile.kind == "cuda" and not profile.has_native_bf16
+    path.write_text('name = "x"\nmemory_bytes = 1\nfp32_flops = 1\nclock = 3\n')
+    with pytest.raises(ConfigError, match="unknown profile field 'clock'"):
+        resolve_profile(str(path))
+
+
+@pytest.mark.parametrize(("name", "capability", "memory_gib", "expected"), [
+    ("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11, "1080ti"),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), 80, "a100-80"),
+    ("NVIDIA A100-PCIE-40GB", (8, 0), 40, "a100-40"),
+    ("Tesla T4", (7, 5), 15, "t4"),
+    ("NVIDIA H200", (9, 0), 140, "h200"),
+])
+def test_the_card_in_this_process_maps_to_its_profile(name: str, capability: tuple[int, int], memory_gib: int,
+                                                      expected: str) -> None:
+    device = Device(kind="cuda", name=name, compute_capability=capability, total_memory_bytes=memory_gib * GiB)
+    assert profile_for(device).name == expected
+    assert profile_for(device, memory_bytes=11 * GiB).memory_bytes == 11 * GiB  # a per-process cap
+
+
+def test_an_unknown_card_gets_a_profile_from_its_properties() -> None:
+    device = Device(kind="cuda", name="NVIDIA L40S", compute_capability=(8, 9), total_memory_bytes=45 * GiB)
+    profile = profile_for(device)
+    assert (profile.name, profile.compute_capability, profile.memory_bytes) == ("NVIDIA L40S", (8, 9), 45 * GiB)
+    assert profile.non_pytorch_bytes > 0
