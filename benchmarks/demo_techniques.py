@@ -2,7 +2,9 @@
 
 Runs the built-in default for a fixed number of optimizer steps under several setups and prints a markdown
 table; ``--json PATH`` also writes the rows. On CPU the memory column is the peak of live tensor bytes
-counted by memfit's storage tracker; on CUDA it is the allocator's peak allocated bytes.
+counted by memfit's storage tracker; on CUDA it is the allocator's peak allocated bytes. The estimate column
+is ``memfit estimate`` for the same config on this device, with every micro-batch at the full max length
+(real batches are padded only to their longest text, so they stay at or below it).
 
     .venv/bin/python benchmarks/demo_techniques.py --steps 30 --json benchmarks/results/demo_techniques_cpu.json
 """
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from memfit import TrainConfig, train
+from memfit import TrainConfig, estimate, train
 from memfit.report import format_bytes
 
 SETUPS: dict[str, dict[str, Any]] = {
@@ -44,20 +46,24 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as directory:
             config = TrainConfig(max_steps=args.steps, val_samples=128, output_dir=directory, **overrides)
             summary = train(config, console=quiet)
+            predicted = estimate(config, device="cpu")  # every micro-batch at the full --max-length
         rows.append({"setup": name, "micro_batch_size": summary.micro_batch_size,
                      "accumulation_steps": summary.accumulation_steps,
                      "peak_memory_bytes": summary.peak_memory_bytes,
                      "peak_memory_by_phase": summary.peak_memory_by_phase,
+                     "predicted_peak_bytes": predicted.peak_bytes,
                      "samples_per_second": round(summary.samples_per_second, 2),
                      "trainable_parameters": summary.trainable_parameters})
         print(f"done: {name}", file=sys.stderr)
-    print("| setup | batch | peak memory | forward / backward / optimizer peak | samples/s |")
-    print("|---|---|---|---|---|")
+    print("| setup | batch | peak memory | forward / backward / optimizer peak | estimate at full length | "
+          "samples/s |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         phases = " / ".join(format_bytes(row["peak_memory_by_phase"][p]) for p in ("forward", "backward",
                                                                                      "optimizer"))
         print(f"| {row['setup']} | {row['micro_batch_size']} x {row['accumulation_steps']} | "
-              f"{format_bytes(row['peak_memory_bytes'])} | {phases} | {row['samples_per_second']:.1f} |")
+              f"{format_bytes(row['peak_memory_bytes'])} | {phases} | {format_bytes(row['predicted_peak_bytes'])} | "
+              f"{row['samples_per_second']:.1f} |")
     if args.json:
         machine = {"platform": platform.platform(), "processor": platform.processor(),
                    "threads": torch.get_num_threads(),

@@ -4,8 +4,9 @@ from memfit import memory
 from memfit.config import TrainConfig
 from memfit.engine import train
 from memfit.errors import ConfigError, DataError, MemfitError, TrainingError
+from memfit.memory.estimate import Estimate, estimate
 from memfit.report import Summary
 
-__all__ = ["ConfigError", "DataError", "MemfitError", "Summary", "TrainConfig", "TrainingError", "memory",
-           "train"]
+__all__ = ["ConfigError", "DataError", "Estimate", "MemfitError", "Summary", "TrainConfig", "TrainingError",
+           "estimate", "memory", "train"]
 __version__ = "0.1.0"

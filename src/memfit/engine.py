@@ -121,7 +121,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                 samples_seen += len(window)
                 memory = monitor.snapshot()
                 lr = float(scheduler.get_last_lr()[0])
-                reporter.step(step=step, loss=loss_value, lr=lr,
+                # the bar shows the mean since the last log line: what metrics.jsonl and the summary report
+                reporter.step(step=step, loss=logged_loss / logged_items if logged_items else loss_value, lr=lr,
                               samples_per_second=samples_seen / train_seconds,
                               memory_bytes=memory.current_bytes, peak_bytes=memory.peak_bytes)
                 if step % config.log_every == 0 or step == total_steps:
