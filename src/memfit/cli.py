@@ -83,6 +83,10 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     schedule.add_argument("--seed", type=int, help=f"[{defaults.seed}]")
     schedule.add_argument("--log-every", type=int, help=f"optimizer steps per metrics line [{defaults.log_every}]")
 
+    if not for_estimate:
+        reliability = parser.add_argument_group("reliability (out-of-memory recovery keeps the effective batch)")
+        reliability.add_argument("--emulate-budget", metavar="SIZE",
+                                 help="behave as if the device had SIZE of memory, e.g. 300MiB or 11GiB")
     where = parser.add_argument_group("device and output")
     if for_estimate:
         where.add_argument("--device", dest="profile", default="cpu",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import ConfigError, Problems
+from memfit.units import parse_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -108,6 +109,11 @@ class TrainConfig:
     log_every: int = 10
     """Optimizer steps between two lines of ``metrics.jsonl`` (the progress bar updates every step)."""
 
+    # --- reliability ---
+    emulate_budget: str | None = None
+    """Behave as if the device had this much memory (e.g. ``300MiB``): on CPU the storage tracker raises
+    ``torch.OutOfMemoryError`` when live tensor bytes would exceed it; on CUDA the allocator is capped."""
+
     # --- where ---
     device: str = "auto"
     """``auto | cpu | cuda``."""
@@ -157,9 +163,17 @@ class TrainConfig:
             problems.add(f"--max-grad-norm must be > 0 (got {self.max_grad_norm}); omit it to disable clipping")
         if self.init_scale <= 0:
             problems.add(f"--init-scale must be > 0 (got {self.init_scale})")
+        if self.emulate_budget is not None:
+            problems.collect(lambda: parse_bytes(str(self.emulate_budget), option="--emulate-budget"))
         if self.extra:
             problems.add(f"unknown option(s): {', '.join(sorted(self.extra))}")
         problems.raise_if_any(ConfigError)
+
+    @property
+    def emulate_budget_bytes(self) -> int | None:
+        if self.emulate_budget is None:
+            return None
+        return parse_bytes(str(self.emulate_budget), option="--emulate-budget")
 
     @property
     def resolved_micro_batch_size(self) -> int:

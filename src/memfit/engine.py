@@ -8,10 +8,10 @@ save the model and the summary.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +24,14 @@ from memfit.config import TrainConfig
 from memfit.data.batches import Encoder, cut, windows
 from memfit.errors import TrainingError
 from memfit.memory.monitor import PHASES, Monitor
+from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
 from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.step import accumulate_window, item_count, loss_sum, to_device
+from memfit.techniques.oom import OomRecovery
 from memfit.techniques.optim import advance_schedule, build_scheduler
 from memfit.techniques.precision import Precision
 from memfit.techniques.stability import guarded_step
-
-# A skipped first step calls scheduler.step() before any optimizer.step(); that is intended here.
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
 
 def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
@@ -49,7 +48,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     windows_per_epoch = math.ceil(num_train / config.effective_batch)
     total_steps = min(config.max_steps or sys.maxsize, config.epochs * windows_per_epoch)
 
-    with Reporter(console, output_dir) as reporter, Monitor.for_device(device.type) as monitor:
+    budget = config.emulate_budget_bytes
+    with Reporter(console, output_dir) as reporter, Monitor.for_device(device.type, budget_bytes=budget) as monitor:
         model = build_model_for(prepared)  # freeze -> checkpointing
         trainable, total = count_parameters(model)
         reporter.show_config(config_rows(prepared, output_dir, trainable, total))
@@ -58,12 +58,27 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                           "real; accuracy is not that of a pretrained model.")
         train_encoder = prepared.encoder(prepared.train_examples)
         val_encoder = prepared.encoder(prepared.val_examples)
-        model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
-        monitor.track_module(model)  # parameters existed before tracking started
+        try:
+            model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
+            monitor.track_module(model)  # parameters existed before tracking started
+        except OUT_OF_MEMORY:
+            raise TrainingError(f"the model alone ({format_bytes(4 * total)} of fp32 parameters) does not fit "
+                                f"the device memory{' budget ' + str(config.emulate_budget) if budget else ''}; "
+                                "use a smaller model or a device with more memory") from None
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         optimizer = build_optimizer_for(model, config)  # last: sees only the trainable parameters
         scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.warmup_ratio)
         scaler = precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval)
+        recovery = OomRecovery(micro_batch_size, config.eval_batch_size, effective_batch=config.effective_batch,
+                               device=device, memory_now=lambda: monitor.snapshot().current_bytes,
+                               memory_needed=lambda: memory_needed_phrase(config, prepared))
+
+        def attempt_window(window: list[int], size: int) -> tuple[torch.Tensor, int]:
+            """Forward + backward of each micro-batch of ``size``; gradients accumulate in .grad."""
+            micro_batches = [train_encoder(chunk) for chunk in cut(window, size)]
+            window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
+            return accumulate_window(model, micro_batches, window_items, precision=precision, scaler=scaler,
+                                     device=device, phases=monitor), window_items
 
         step = optimizer_steps = consecutive_nonfinite = epochs_completed = 0
         train_seconds = 0.0
@@ -82,11 +97,16 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                 if step >= total_steps:
                     break
                 window_started = time.perf_counter()
-                micro_batches = [train_encoder(chunk) for chunk in cut(window, micro_batch_size)]
-                window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
-                # forward + backward of each micro-batch; gradients accumulate in .grad
-                window_loss = accumulate_window(model, micro_batches, window_items, precision=precision,
-                                                scaler=scaler, device=device, phases=monitor)
+                recorded = len(recovery.events)
+                # the same samples until they fit: an OOM restarts the window, at a smaller micro-batch if needed
+                window_loss, window_items = recovery.run_window(
+                    step + 1, functools.partial(attempt_window, window),
+                    reset=lambda: optimizer.zero_grad(set_to_none=True))
+                for event in recovery.events[recorded:]:
+                    reporter.metrics.write(event)
+                    reporter.warn(f"step {event['step']}: out of memory at micro-batch {event['old_micro_batch_size']}"
+                                  f" ({format_bytes(event['memory_bytes'])} in use); {event['action']} -> micro-batch "
+                                  f"{event['new_micro_batch_size']} x {event['accumulation_steps']}")
                 with monitor.phase("optimizer"):
                     check = guarded_step(optimizer, trained, window_loss, scaler=scaler,
                                          max_grad_norm=config.max_grad_norm)
@@ -136,9 +156,14 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                     logged_loss, logged_items = 0.0, 0
             else:  # the epoch ran to its end (no --max-steps break)
                 epochs_completed = epoch
+            recorded = len(recovery.events)
             with monitor.phase("eval"):
-                accuracy, val_loss = evaluate(model, val_encoder, len(prepared.val_examples),
-                                              config.eval_batch_size, precision, device)
+                accuracy, val_loss = recovery.run_eval(step, lambda size: evaluate(
+                    model, val_encoder, len(prepared.val_examples), size, precision, device))
+            for event in recovery.events[recorded:]:
+                reporter.metrics.write(event)
+                reporter.warn(f"step {step}: out of memory while evaluating; eval batch "
+                              f"{event['old_eval_batch_size']} -> {event['new_eval_batch_size']}")
             record = {"type": "eval", "epoch": epoch, "step": step, "accuracy": accuracy, "loss": val_loss}
             evaluations.append(record)
             reporter.evaluation(record)
@@ -155,12 +180,13 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
         samples_per_second=samples_seen / train_seconds if train_seconds else 0.0,
         optimizer_steps_per_second=step / train_seconds if train_seconds else 0.0,
         optimizer_steps=optimizer_steps, effective_batch_size=config.effective_batch,
-        micro_batch_size=micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
+        micro_batch_size=recovery.micro_batch_size, accumulation_steps=recovery.accumulation_steps,
         precision=precision.name, checkpointing=config.checkpointing, trainable_parameters=trainable,
         total_parameters=total, device=prepared.device.describe(), config=config.to_dict(),
         epochs_completed=epochs_completed, train_samples=num_train, val_samples=len(prepared.val_examples),
         train_seconds=train_seconds, total_seconds=time.perf_counter() - started,
         peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=skipped,
+        oom_recoveries=recovery.events,
         evaluations=evaluations, output_dir=str(output_dir))
     write_json(output_dir / "summary.json", summary.to_dict())
     reporter.summary(summary)
@@ -181,6 +207,24 @@ def evaluate(model: nn.Module, encoder: Encoder, num_examples: int, batch_size: 
         correct += (logits.argmax(dim=-1) == batch["labels"]).sum()
         total_loss += loss
     return int(correct) / num_examples, float(total_loss) / num_examples
+
+
+def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
+    """``"; a micro-batch of 1 needs 1.2 GiB (memfit estimate)"``, or ``""`` when it cannot be estimated."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memfit.devices import profile_for
+    from memfit.memory.estimate import estimate
+
+    try:
+        one = dataclasses.replace(config, micro_batch_size=1, accumulation_steps=None)
+        with _disable_current_modes():  # the run's own tracker (and its budget) must not see the trace
+            needed = estimate(one, device=profile_for(prepared.device)).peak_bytes
+    except Exception:  # the estimate is a courtesy in an error message; its own failure must not mask it
+        return ""
+    return f"; a micro-batch of 1 needs {format_bytes(needed)} (memfit estimate)"
 
 
 def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int) -> list[tuple[str, str]]:

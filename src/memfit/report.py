@@ -62,6 +62,8 @@ class Summary:
     peak_rss_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     skipped_steps: list[dict[str, Any]] = field(default_factory=list)
+    oom_recoveries: list[dict[str, Any]] = field(default_factory=list)
+    """One event per out-of-memory error survived: step, action (retry/split), old and new micro-batch."""
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     output_dir: str = ""
 

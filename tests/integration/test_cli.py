@@ -140,3 +140,12 @@ def test_labels_that_do_not_match_the_head(tmp_path: Path, reviews_csv: Path) ->
     result = memfit("train", "--model", str(tmp_path / "three"), "--data", str(reviews_csv), "--text-column",
                     "review", "--label-column", "sentiment")
     assert_clean_error(result, "has 2 labels", "classification head has 3")
+
+
+def test_a_bad_budget_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    result = memfit("train", "--emulate-budget", "11G", "--output-dir", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("memfit: error: --emulate-budget '11G' is not a memory size; write a number "
+                                     "and a unit, e.g. 300MiB or 11GiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, "
+                                     "TiB)")
+    assert not (tmp_path / "run").exists()

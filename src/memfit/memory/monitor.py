@@ -49,16 +49,18 @@ class MemorySnapshot:
 class Monitor:
     """Measures memory during a run; a context manager (enter before building tensors you want counted)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, *, budget_bytes: int | None = None) -> None:
         self.device_type = device_type
-        self.tracker = StorageTracker() if device_type == "cpu" else None
+        self.budget_bytes = budget_bytes
+        self.tracker = StorageTracker(budget_bytes=budget_bytes) if device_type == "cpu" else None
         self._cuda_peak = 0
         self._cuda_phase_peaks: dict[str, int] = {}
         self._process = psutil.Process()
 
     @classmethod
-    def for_device(cls, device_type: str) -> Monitor:
-        return cls(device_type)
+    def for_device(cls, device_type: str, *, budget_bytes: int | None = None) -> Monitor:
+        """``budget_bytes`` emulates a smaller device: tracked on CPU, an allocator cap on CUDA."""
+        return cls(device_type, budget_bytes=budget_bytes)
 
     def __enter__(self) -> Monitor:
         _active.append(self)
@@ -66,6 +68,9 @@ class Monitor:
             self.tracker.__enter__()
         else:
             torch.cuda.reset_peak_memory_stats()
+            if self.budget_bytes is not None:
+                total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,

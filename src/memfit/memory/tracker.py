@@ -16,6 +16,10 @@ the forward's short-lived temporaries), and anything else made during a phase is
 :meth:`StorageTracker.relabel` says otherwise (``gradients`` when accumulated into ``.grad``,
 ``optimizer_state`` after the optimizer step). The breakdown is copied at each new peak: a handful of integers.
 
+``budget_bytes`` emulates a device of that size: the op whose output would take the live bytes past it
+raises ``torch.OutOfMemoryError`` at the real point of the step, with the real allocation pattern, as
+CUDA's allocator would (``memfit train --emulate-budget``).
+
 Overhead: one Python call per op, a few microseconds; negligible next to a transformer layer's matmuls.
 """
 
@@ -30,15 +34,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+"""``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` before torch 2.5)."""
+
 if TYPE_CHECKING:
     from memfit.memory.allocator import CachingAllocatorModel
 
 
 class StorageTracker(TorchDispatchMode):
-    def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None) -> None:
+    def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None,
+                 budget_bytes: int | None = None) -> None:
         super().__init__()
         self.round_to = round_to
         self.allocator = allocator
+        self.budget_bytes = budget_bytes
+        """Emulated device memory: a storage that would take live bytes past it raises ``OutOfMemoryError``."""
         self.live_bytes = 0
         self.peak_bytes = 0
         self.op_count = 0
@@ -71,6 +81,10 @@ class StorageTracker(TorchDispatchMode):
             if key in self._sizes:
                 continue
             raw = storage.nbytes()
+            if self.budget_bytes is not None and self.live_bytes + self._rounded(raw) > self.budget_bytes:
+                raise OUT_OF_MEMORY(
+                    f"emulated budget: tried to allocate {raw:,} bytes with {self.live_bytes:,} of "
+                    f"{self.budget_bytes:,} bytes live")
             nbytes = self.allocator.allocate(key, raw) if self.allocator is not None and raw else self._rounded(raw)
             self._sizes[key] = nbytes
             kind = category or ("activations" if self._phase == "forward" else "temporaries")

@@ -1,0 +1,127 @@
+"""Out-of-memory recovery that keeps the effective batch and never loses or repeats a sample.
+
+When a window's forward/backward raises ``torch.OutOfMemoryError``, :class:`OomRecovery`:
+
+1. lets the failed attempt's tensors go: the attempt runs in its own function, and the exception (whose
+   traceback holds that function's frames, with their outputs, losses and saved activations) is dropped as
+   soon as the ``except`` block ends; gradients accumulated so far are cleared;
+2. empties the CUDA cache and restores the random state taken at the start of the window;
+3. retries **the same window, the same samples**: once at the same micro-batch size (a transient OOM, e.g.
+   fragmentation or another process, does not cost speed for the rest of the run), and on every further OOM
+   of that window with the micro-batch split in two, which doubles the accumulation steps;
+4. keeps the smaller micro-batch for the rest of the run, and records each event.
+
+Restarting the window rather than resuming mid-window is what makes it exact: an OOM inside backward may
+already have added part of the failed micro-batch's gradient to ``.grad``. The loss of every micro-batch
+is divided by the window's item count (:mod:`memfit.step`), so any split gives the same gradient up to
+floating-point summation order.
+
+Trade-off: a recovered window runs again from its start (at most one window of recompute per event), and
+a run that split keeps the smaller, slower micro-batch. Evaluation has its own batch size, halved on an
+evaluation OOM and never the training micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from memfit.errors import TrainingError
+from memfit.memory.tracker import OUT_OF_MEMORY
+
+T = TypeVar("T")
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """Python, NumPy, torch (and this CUDA device's) random states."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class OomRecovery:
+    """Runs training windows and evaluations, recovering from OOM as described in the module docstring."""
+
+    def __init__(self, micro_batch_size: int, eval_batch_size: int, *, effective_batch: int,
+                 device: torch.device, memory_now: Callable[[], int],
+                 memory_needed: Callable[[], str] = lambda: "") -> None:
+        self.micro_batch_size = micro_batch_size
+        self.eval_batch_size = eval_batch_size
+        self.effective_batch = effective_batch
+        self.device = device
+        self.memory_now = memory_now
+        """Bytes in use right now (read while the failed attempt's tensors are still alive)."""
+        self.memory_needed = memory_needed
+        """A phrase naming the memory a micro-batch of 1 needs, for the final error ('' when unknown)."""
+        self.events: list[dict[str, Any]] = []
+
+    @property
+    def accumulation_steps(self) -> int:
+        return math.ceil(self.effective_batch / self.micro_batch_size)
+
+    def run_window(self, step: int, attempt: Callable[[int], T], reset: Callable[[], None]) -> T:
+        """``attempt(micro_batch_size)`` until it succeeds; ``reset()`` clears a failed attempt's gradients."""
+        failures = 0
+        rng = capture_rng(self.device)
+        while True:
+            try:
+                return attempt(self.micro_batch_size)
+            except OUT_OF_MEMORY as error:
+                memory = self.memory_now()
+                message = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+            # here the exception and its traceback are gone, and with them the failed attempt's tensors
+            failures += 1
+            reset()
+            self._release()
+            old = self.micro_batch_size
+            if failures > 1 and old == 1:
+                needed = self.memory_needed()
+                raise TrainingError(
+                    f"step {step}: out of memory with a micro-batch of 1 ({message}){needed}; use "
+                    "--checkpointing full, a 16-bit --precision, --train-top-layers, a shorter --max-length, "
+                    "or a device with more memory")
+            if failures > 1:
+                self.micro_batch_size = math.ceil(old / 2)
+            self.events.append({"type": "oom", "phase": "train", "step": step,
+                                "action": "retry" if failures == 1 else "split", "old_micro_batch_size": old,
+                                "new_micro_batch_size": self.micro_batch_size,
+                                "accumulation_steps": self.accumulation_steps, "memory_bytes": memory,
+                                "message": message})
+            restore_rng(rng, self.device)
+
+    def run_eval(self, step: int, attempt: Callable[[int], T]) -> T:
+        """``attempt(eval_batch_size)``, halving only the evaluation batch on OOM."""
+        while True:
+            try:
+                return attempt(self.eval_batch_size)
+            except OUT_OF_MEMORY as error:
+                memory = self.memory_now()
+                message = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+            self._release()
+            old = self.eval_batch_size
+            if old == 1:
+                raise TrainingError(f"step {step}: out of memory while evaluating with a batch of 1 ({message}); "
+                                    "use a shorter --max-length or a device with more memory")
+            self.eval_batch_size = math.ceil(old / 2)
+            self.events.append({"type": "oom", "phase": "eval", "step": step, "action": "split",
+                                "old_eval_batch_size": old, "new_eval_batch_size": self.eval_batch_size,
+                                "memory_bytes": memory, "message": message})
+
+    def _release(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
