@@ -79,11 +79,9 @@ class OomRecovery:
         failures = 0
         rng = capture_rng(self.device)
         while True:
-            try:
-                return attempt(self.micro_batch_size)
-            except OUT_OF_MEMORY as error:
-                memory = self.memory_now()
-                message = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+            done, result, memory, message = self._try(attempt, self.micro_batch_size)
+            if done:
+                return result  # type: ignore[return-value]
             # here the exception and its traceback are gone, and with them the failed attempt's tensors
             failures += 1
             reset()
@@ -107,11 +105,9 @@ class OomRecovery:
     def run_eval(self, step: int, attempt: Callable[[int], T]) -> T:
         """``attempt(eval_batch_size)``, halving only the evaluation batch on OOM."""
         while True:
-            try:
-                return attempt(self.eval_batch_size)
-            except OUT_OF_MEMORY as error:
-                memory = self.memory_now()
-                message = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+            done, result, memory, message = self._try(attempt, self.eval_batch_size)
+            if done:
+                return result  # type: ignore[return-value]
             self._release()
             old = self.eval_batch_size
             if old == 1:
@@ -121,6 +117,14 @@ class OomRecovery:
             self.events.append({"type": "oom", "phase": "eval", "step": step, "action": "split",
                                 "old_eval_batch_size": old, "new_eval_batch_size": self.eval_batch_size,
                                 "memory_bytes": memory, "message": message})
+
+    def _try(self, attempt: Callable[[int], T], size: int) -> tuple[bool, T | None, int, str]:
+        """(succeeded, result, bytes in use at the failure, first line of the error)."""
+        try:
+            return True, attempt(size), 0, ""
+        except OUT_OF_MEMORY as error:  # memory is read while the failed attempt's tensors are still alive
+            return False, None, self.memory_now(), str(error).strip().splitlines()[0] if str(error).strip() \
+                else "out of memory"
 
     def _release(self) -> None:
         if self.device.type == "cuda":
