@@ -125,6 +125,10 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
     return model
 
 
-def build_optimizer_for(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer_for(model: nn.Module, config: TrainConfig, *,
+                        foreach_default: bool | None = None) -> torch.optim.Optimizer:
+    """The run's optimizer; ``foreach_default`` stands in for torch's own default when ``config.foreach`` is
+    unset (a trace on CPU for a CUDA target must pick what torch would pick on the card)."""
+    foreach = config.foreach if config.foreach is not None else foreach_default
     return build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
-                           momentum=config.momentum, foreach=config.foreach)
+                           momentum=config.momentum, foreach=foreach)

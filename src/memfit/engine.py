@@ -7,6 +7,7 @@ save the model and the summary.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import math
@@ -211,8 +212,6 @@ def evaluate(model: nn.Module, encoder: Encoder, num_examples: int, batch_size: 
 
 def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
     """``"; a micro-batch of 1 needs 1.2 GiB (memfit estimate)"``, or ``""`` when it cannot be estimated."""
-    import dataclasses
-
     from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.devices import profile_for

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.build import build_with_techniques, depth_problems
+from memfit.build import build_optimizer_for, build_with_techniques, depth_problems
 from memfit.config import TrainConfig
 from memfit.data.batches import Batch
 from memfit.devices import DeviceProfile, resolve_profile
@@ -41,7 +41,6 @@ from memfit.memory.emulation import CudaEmulation
 from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, resolve_model
 from memfit.step import PhaseTracker, accumulate_window, item_count
-from memfit.techniques.optim import build_optimizer
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, guarded_step, read_values
 
@@ -198,10 +197,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
         for _, parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
             parameter.register_post_accumulate_grad_hook(
                 lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
-    optimizer = build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
-                                momentum=config.momentum,
-                                # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
-                                foreach=config.foreach if config.foreach is not None else cuda)
+    # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
+    optimizer = build_optimizer_for(model, config, foreach_default=cuda)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
         window_loss = accumulate_window(model, micro_batches, window_items.pop(0), precision=precision,

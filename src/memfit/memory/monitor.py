@@ -78,6 +78,8 @@ class Monitor:
         _active.remove(self)
         if self.tracker is not None:
             self.tracker.__exit__(kind, error, traceback)
+        elif self.budget_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)  # the cap was this run's, not the process's
 
     def track_module(self, module: torch.nn.Module) -> None:
         if self.tracker is not None:
