@@ -87,6 +87,14 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
         reliability = parser.add_argument_group("reliability (out-of-memory recovery keeps the effective batch)")
         reliability.add_argument("--emulate-budget", metavar="SIZE",
                                  help="behave as if the device had SIZE of memory, e.g. 300MiB or 11GiB")
+        reliability.add_argument("--save-every", type=int, metavar="N",
+                                 help="checkpoint every N optimizer steps and at the end")
+        reliability.add_argument("--keep-last", type=int, metavar="K",
+                                 help=f"complete checkpoints to keep [{defaults.keep_last}]")
+        reliability.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                                 help="continue from the newest checkpoint in --output-dir, or from PATH")
+        reliability.add_argument("--overwrite", action="store_true", default=None,
+                                 help="replace the run in an existing --output-dir")
     where = parser.add_argument_group("device and output")
     if for_estimate:
         where.add_argument("--device", dest="profile", default="cpu",
@@ -165,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except MemfitError as error:
         for line in error.problems:
-            sys.stderr.write(f"memfit: error: {line}\n")
+            sys.stderr.write(f"memfit: {error.label}: {line}\n")
         return error.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("memfit: interrupted\n")

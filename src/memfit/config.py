@@ -113,6 +113,15 @@ class TrainConfig:
     emulate_budget: str | None = None
     """Behave as if the device had this much memory (e.g. ``300MiB``): on CPU the storage tracker raises
     ``torch.OutOfMemoryError`` when live tensor bytes would exceed it; on CUDA the allocator is capped."""
+    save_every: int | None = None
+    """Write a checkpoint every N optimizer steps, and one at the end (:mod:`memfit.checkpoints`)."""
+    keep_last: int = 2
+    """Complete checkpoints kept in ``<output-dir>/checkpoints``; older ones are deleted after each save."""
+    resume: str | None = None
+    """``latest`` (the newest complete checkpoint of the output dir; a fresh start when there is none) or a
+    checkpoint directory."""
+    overwrite: bool = False
+    """Allow a fresh run into an output dir that already holds a run (its run files are replaced)."""
 
     # --- where ---
     device: str = "auto"
@@ -126,6 +135,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise one :class:`ConfigError` listing every problem of this config."""
         problems = Problems()
+        _check_types(problems, self)  # a config file can hold any type; the range checks below need the right one
+        problems.raise_if_any(ConfigError)
         _check_choice(problems, "precision", self.precision, PRECISIONS)
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
@@ -136,7 +147,13 @@ class TrainConfig:
         if self.checkpoint_every < 2:
             problems.add(f"--checkpoint-every must be >= 2 (got {self.checkpoint_every}); "
                          "use --checkpointing full to checkpoint every layer")
-        for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size"):
+        _check_positive(problems, "keep_last", self.keep_last)
+        if self.resume is not None and self.overwrite:
+            problems.add("give either --resume or --overwrite, not both: one continues the run in the output dir, "
+                         "the other replaces it")
+        if self.resume == "latest" and self.output_dir is None:
+            problems.add("--resume needs --output-dir: the directory of the run to continue")
+        for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every"):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(problems, name, value)
@@ -166,7 +183,8 @@ class TrainConfig:
         if self.emulate_budget is not None:
             problems.collect(lambda: parse_bytes(str(self.emulate_budget), option="--emulate-budget"))
         if self.extra:
-            problems.add(f"unknown option(s): {', '.join(sorted(self.extra))}")
+            problems.add(f"unknown option(s): {', '.join(sorted(self.extra))}; the names are those of "
+                         "'memfit train --help', as snake_case or dash-case")
         problems.raise_if_any(ConfigError)
 
     @property
@@ -193,6 +211,23 @@ class TrainConfig:
         values = dataclasses.asdict(self)
         values.pop("extra")
         return values
+
+
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+                                       "None": (type(None),)}
+_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "None": "unset"}
+
+
+def _check_types(problems: Problems, config: TrainConfig) -> None:
+    for spec in dataclasses.fields(config):
+        if spec.name == "extra":
+            continue
+        parts = [part.strip() for part in str(spec.type).split("|")]
+        allowed = tuple(kind for part in parts for kind in _TYPES[part])
+        value = getattr(config, spec.name)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            expected = " or ".join(_NAMES[part] for part in parts)
+            problems.add(f"--{spec.name.replace('_', '-')} must be {expected} (got {value!r})")
 
 
 def _check_choice(problems: Problems, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -230,8 +265,11 @@ def load_config_file(path: str) -> dict[str, Any]:
     """Read a TOML, YAML or JSON config file into a mapping of option names to values."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"--config {path}: no such file")
-    text = file.read_text()
+        raise ConfigError(f"--config {path}: no such file; check the path")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error}); pass a readable UTF-8 text file") from None
     try:
         if file.suffix == ".toml":
             loaded: Any = tomllib.loads(text)
@@ -246,7 +284,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as error:  # each parser has its own error type; all mean the same to the user
-        raise ConfigError(f"--config {path}: cannot parse: {error}".splitlines()[0]) from None
+        raise ConfigError(f"--config {path}: cannot parse: {str(error).splitlines()[0]}; fix the syntax "
+                          "there") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path}: expected a table of option = value")
     section = loaded.get("train", loaded)

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import functools
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,10 +21,11 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from memfit import checkpoints
 from memfit.build import Prepared, build_model_for, build_optimizer_for, prepare
 from memfit.config import TrainConfig
-from memfit.data.batches import Encoder, cut, windows
-from memfit.errors import TrainingError
+from memfit.data.batches import Encoder, cut, window_order
+from memfit.errors import CheckpointError, Interrupted, TrainingError
 from memfit.memory.monitor import PHASES, Monitor
 from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
@@ -32,7 +34,7 @@ from memfit.step import accumulate_window, item_count, loss_sum, to_device
 from memfit.techniques.oom import OomRecovery
 from memfit.techniques.optim import advance_schedule, build_scheduler
 from memfit.techniques.precision import Precision
-from memfit.techniques.stability import guarded_step
+from memfit.techniques.stability import StepCheck, guarded_step
 
 
 def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
@@ -41,157 +43,274 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     console = console or Console(stderr=True)
     prepared = prepare(config)  # raises ConfigError/DataError before any work
     output_dir = Path(config.output_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = checkpoints.resume_checkpoint(output_dir, resume=config.resume, overwrite=config.overwrite)
     device = prepared.device.torch_device
     precision = prepared.precision
-    micro_batch_size = config.resolved_micro_batch_size
     num_train = len(prepared.train_examples)
     windows_per_epoch = math.ceil(num_train / config.effective_batch)
     total_steps = min(config.max_steps or sys.maxsize, config.epochs * windows_per_epoch)
 
     budget = config.emulate_budget_bytes
-    with Reporter(console, output_dir) as reporter, Monitor.for_device(device.type, budget_bytes=budget) as monitor:
+    with Monitor.for_device(device.type, budget_bytes=budget) as monitor:
         model = build_model_for(prepared)  # freeze -> checkpointing
         trainable, total = count_parameters(model)
-        reporter.show_config(config_rows(prepared, output_dir, trainable, total))
-        if not prepared.spec.is_pretrained:
-            reporter.warn(f"{config.model} has no pretrained weights here: RANDOM INIT. Memory and speed are "
-                          "real; accuracy is not that of a pretrained model.")
-        train_encoder = prepared.encoder(prepared.train_examples)
-        val_encoder = prepared.encoder(prepared.val_examples)
-        try:
-            model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
-            monitor.track_module(model)  # parameters existed before tracking started
-        except OUT_OF_MEMORY:
-            raise TrainingError(f"the model alone ({format_bytes(4 * total)} of fp32 parameters) does not fit "
-                                f"the device memory{' budget ' + str(config.emulate_budget) if budget else ''}; "
-                                "use a smaller model or a device with more memory") from None
-        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        optimizer = build_optimizer_for(model, config)  # last: sees only the trainable parameters
-        scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.warmup_ratio)
-        scaler = precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval)
-        recovery = OomRecovery(micro_batch_size, config.eval_batch_size, effective_batch=config.effective_batch,
-                               device=device, memory_now=lambda: monitor.snapshot().current_bytes,
-                               memory_needed=lambda: memory_needed_phrase(config, prepared))
+        if checkpoint is not None:  # refused before anything in the output dir changes
+            checkpoints.check_architecture(checkpoint, model, config.model)
+            truncate(output_dir / "metrics.jsonl", checkpoint.progress.metrics_bytes)
+        else:
+            checkpoints.clear_run(output_dir)  # --overwrite, or --resume with nothing saved yet
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with Reporter(console, output_dir) as reporter:
+            reporter.show_config(config_rows(prepared, output_dir, trainable, total))
+            if not prepared.spec.is_pretrained:
+                reporter.warn(f"{config.model} has no pretrained weights here: RANDOM INIT. Memory and speed are "
+                              "real; accuracy is not that of a pretrained model.")
+            train_encoder = prepared.encoder(prepared.train_examples)
+            val_encoder = prepared.encoder(prepared.val_examples)
+            try:
+                if checkpoint is not None:
+                    checkpoint.load_weights(model)
+                model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
+                monitor.track_module(model)  # parameters existed before tracking started
+            except OUT_OF_MEMORY:
+                raise TrainingError(f"the model alone ({format_bytes(4 * total)} of fp32 parameters) does not fit "
+                                    f"the device memory{' budget ' + str(config.emulate_budget) if budget else ''}; "
+                                    "use a smaller model or a device with more memory") from None
+            trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            optimizer = build_optimizer_for(model, config)  # last: sees only the trainable parameters
+            scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.warmup_ratio)
+            scaler = precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval)
+            recovery = OomRecovery(config.resolved_micro_batch_size, config.eval_batch_size,
+                                   effective_batch=config.effective_batch, device=device,
+                                   memory_now=lambda: monitor.snapshot().current_bytes,
+                                   memory_needed=lambda: memory_needed_phrase(config, prepared))
+            run = checkpoints.Progress(micro_batch_size=recovery.micro_batch_size,
+                                       eval_batch_size=recovery.eval_batch_size)
+            partial: dict[str, Any] = {}  # a window resumed part-way: its gradients, loss and micro-steps done
+            order = window_order(num_train, seed=config.seed, epoch=run.epoch)
+            if checkpoint is not None:
+                run, order, partial = resume_state(checkpoint, config, order, model, trained, optimizer, scheduler,
+                                                   scaler, recovery, reporter, device)
 
-        def attempt_window(window: list[int], size: int) -> tuple[torch.Tensor, int]:
-            """Forward + backward of each micro-batch of ``size``; gradients accumulate in .grad."""
-            micro_batches = [train_encoder(chunk) for chunk in cut(window, size)]
-            window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
-            return accumulate_window(model, micro_batches, window_items, precision=precision, scaler=scaler,
-                                     device=device, phases=monitor), window_items
+            def attempt_window(window: list[int], size: int) -> tuple[torch.Tensor, int, int, int]:
+                """Forward + backward of each micro-batch of ``size``; gradients accumulate in .grad."""
+                micro_batches = [train_encoder(chunk) for chunk in cut(window, size)]
+                window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
+                start = partial.get("micro_steps_done", 0)
+                loss, done = accumulate_window(model, micro_batches[start:], window_items, precision=precision,
+                                               scaler=scaler, device=device, phases=monitor,
+                                               loss_so_far=partial.get("loss"), should_stop=stop.requested)
+                return loss, window_items, start + done, len(micro_batches)
 
-        step = optimizer_steps = consecutive_nonfinite = epochs_completed = 0
-        train_seconds = 0.0
-        samples_seen = 0
-        logged_loss, logged_items = 0.0, 0
-        last_loss = math.nan
-        skipped: list[dict[str, Any]] = []
-        evaluations: list[dict[str, Any]] = []
-        reporter.start(total_steps)
-        for epoch in range(1, config.epochs + 1):
-            if step >= total_steps:  # --max-steps reached at an epoch boundary
-                break
-            model.train()
-            for window in windows(num_train, effective_batch=config.effective_batch, seed=config.seed,
-                                  epoch=epoch):
-                if step >= total_steps:
-                    break
-                window_started = time.perf_counter()
-                recorded = len(recovery.events)
-                # the same samples until they fit: an OOM restarts the window, at a smaller micro-batch if needed
-                window_loss, window_items = recovery.run_window(
-                    step + 1, functools.partial(attempt_window, window),
-                    reset=lambda: optimizer.zero_grad(set_to_none=True))
-                for event in recovery.events[recorded:]:
-                    reporter.metrics.write(event)
-                    reporter.warn(f"step {event['step']}: out of memory at micro-batch {event['old_micro_batch_size']}"
-                                  f" ({format_bytes(event['memory_bytes'])} in use); {event['action']} -> micro-batch "
-                                  f"{event['new_micro_batch_size']} x {event['accumulation_steps']}")
-                with monitor.phase("optimizer"):
-                    check = guarded_step(optimizer, trained, window_loss, scaler=scaler,
-                                         max_grad_norm=config.max_grad_norm)
-                    loss_value, norm_value = check.loss, check.grad_norm
-                    loss_finite, grads_finite = check.loss_finite, check.grads_finite
-                    optimizer.zero_grad(set_to_none=True)
-                    advance_schedule(scheduler)  # once per optimizer step, applied or skipped
-                step += 1
+            def reset_window() -> None:
+                optimizer.zero_grad(set_to_none=True)
+                partial.clear()  # a restarted window starts from its first micro-batch
 
-                if loss_finite and grads_finite:
-                    optimizer_steps += 1
-                    consecutive_nonfinite = 0
-                    logged_loss += loss_value * window_items
-                    logged_items += window_items
-                else:
-                    skip: dict[str, Any] = {"step": step, "loss_finite": loss_finite, "grads_finite": grads_finite,
-                            "handled_by": "grad_scaler" if scaler is not None and loss_finite else "memfit",
-                            "parameters": check.bad_parameters}
-                    skipped.append(skip)
-                    reporter.metrics.write({"type": "skip", **skip})
-                    if skip["handled_by"] == "memfit":  # scaler overflow skips are expected and self-correcting
-                        consecutive_nonfinite += 1
-                        reporter.warn(f"step {step}: non-finite {'loss' if not loss_finite else 'gradients'}"
-                                      f"{' in ' + ', '.join(skip['parameters']) if skip['parameters'] else ''}"
-                                      "; update skipped")
-                    if consecutive_nonfinite >= config.max_nonfinite_steps:
-                        raise TrainingError(
-                            f"stopped at step {step}: {consecutive_nonfinite} consecutive optimizer steps had a "
-                            "non-finite loss or gradients; lower --lr, use --precision fp32, or set "
-                            "--max-grad-norm")
-                train_seconds += time.perf_counter() - window_started
-                samples_seen += len(window)
-                memory = monitor.snapshot()
-                lr = float(scheduler.get_last_lr()[0])
-                # the bar shows the mean since the last log line: what metrics.jsonl and the summary report
-                reporter.step(step=step, loss=logged_loss / logged_items if logged_items else loss_value, lr=lr,
-                              samples_per_second=samples_seen / train_seconds,
-                              memory_bytes=memory.current_bytes, peak_bytes=memory.peak_bytes)
-                if step % config.log_every == 0 or step == total_steps:
-                    last_loss = logged_loss / logged_items if logged_items else math.nan
-                    reporter.metrics.write({
-                        "type": "train", "step": step, "epoch": epoch, "loss": last_loss,
-                        "lr": lr, "grad_norm": norm_value,
-                        "samples_per_second": samples_seen / train_seconds,
-                        "memory_bytes": memory.current_bytes, "peak_memory_bytes": memory.peak_bytes,
-                        "rss_bytes": memory.rss_bytes})
-                    logged_loss, logged_items = 0.0, 0
-            else:  # the epoch ran to its end (no --max-steps break)
-                epochs_completed = epoch
-            recorded = len(recovery.events)
-            with monitor.phase("eval"):
-                accuracy, val_loss = recovery.run_eval(step, lambda size: evaluate(
-                    model, val_encoder, len(prepared.val_examples), size, precision, device))
-            for event in recovery.events[recorded:]:
-                reporter.metrics.write(event)
-                reporter.warn(f"step {step}: out of memory while evaluating; eval batch "
-                              f"{event['old_eval_batch_size']} -> {event['new_eval_batch_size']}")
-            record = {"type": "eval", "epoch": epoch, "step": step, "accuracy": accuracy, "loss": val_loss}
-            evaluations.append(record)
-            reporter.evaluation(record)
-        reporter.stop()
-        memory = monitor.snapshot()
+            def save(*, grads: bool = False, loss: torch.Tensor | None = None,
+                     rng: dict[str, Any] | None = None) -> Path:
+                """A checkpoint of the run as it stands (``grads``: inside a window, after ``micro_steps_done``)."""
+                run.micro_batch_size, run.eval_batch_size = recovery.micro_batch_size, recovery.eval_batch_size
+                run.oom_recoveries, run.metrics_bytes = recovery.events, reporter.metrics.offset
+                state: dict[str, Any] = {
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict() if scaler is not None else {},
+                    "rng": rng or checkpoints.rng_state(device), "rng_window_start": recovery.window_rng,
+                    "order": torch.tensor(order, dtype=torch.int64), "window_loss": loss}
+                gradients = {name: p.grad.detach().cpu() for name, p in trained if p.grad is not None} if grads \
+                    else None
+                return checkpoints.save(output_dir, model=model, state=state, progress=run, config=config.to_dict(),
+                                        keep_last=config.keep_last, grads=gradients)
+
+            def stopped(path: Path) -> Interrupted:
+                where = f", micro-step {run.micro_steps_done} of its window" if run.micro_steps_done else ""
+                return Interrupted(f"{stop.name} after step {run.step}{where}: checkpoint saved to {path}; continue "
+                                   "with the same command plus --resume", signal_number=stop.received or 0)
+
+            stop = checkpoints.StopSignals()
+            reporter.start(total_steps, completed=run.step)
+            with stop.installed():
+                for epoch in range(run.epoch, config.epochs + 1):
+                    if run.step >= total_steps:  # --max-steps reached at an epoch boundary
+                        break
+                    if epoch != run.epoch:  # a new epoch: its own seeded order
+                        order = window_order(num_train, seed=config.seed, epoch=epoch)
+                        run.epoch, run.offset = epoch, 0
+                    model.train()
+                    while run.offset < num_train and run.step < total_steps:
+                        if stop.requested():  # a signal between two windows (or during an evaluation)
+                            raise stopped(save())
+                        window = order[run.offset:run.offset + config.effective_batch]
+                        window_started = time.perf_counter()
+                        recorded = len(recovery.events)
+                        try:  # the same samples until they fit: an OOM restarts the window, smaller if needed
+                            window_loss, window_items, done, count = recovery.run_window(
+                                run.step + 1, functools.partial(attempt_window, window), reset=reset_window,
+                                rng=partial.get("rng_window_start"))
+                        except TrainingError as error:  # micro-batch 1 does not fit: keep what was learned
+                            path = save(rng=recovery.window_rng)
+                            raise TrainingError(f"{error.problems[0]}; checkpoint saved to {path}, continue with "
+                                                "--resume after changing the setup") from None
+                        report_oom(reporter, recovery.events[recorded:])
+                        if done < count:  # a signal inside the window: save its gradients so far, then stop
+                            run.micro_steps_done = done
+                            raise stopped(save(grads=True, loss=window_loss))
+                        partial.clear()
+                        with monitor.phase("optimizer"):
+                            check = guarded_step(optimizer, trained, window_loss, scaler=scaler,
+                                                 max_grad_norm=config.max_grad_norm)
+                            loss_value, norm_value = check.loss, check.grad_norm
+                            loss_finite, grads_finite = check.loss_finite, check.grads_finite
+                            optimizer.zero_grad(set_to_none=True)
+                            advance_schedule(scheduler)  # once per optimizer step, applied or skipped
+                        run.step += 1
+                        run.offset += len(window)
+
+                        if loss_finite and grads_finite:
+                            run.optimizer_steps += 1
+                            run.consecutive_nonfinite = 0
+                            run.logged_loss += loss_value * window_items
+                            run.logged_items += window_items
+                        else:
+                            record_skip(run, check, handled_by_scaler=scaler is not None and loss_finite,
+                                        reporter=reporter, max_nonfinite_steps=config.max_nonfinite_steps)
+                        run.train_seconds += time.perf_counter() - window_started
+                        run.samples_seen += len(window)
+                        memory = monitor.snapshot()
+                        lr = float(scheduler.get_last_lr()[0])
+                        # the bar shows the mean since the last log line: what metrics.jsonl and the summary report
+                        reporter.step(step=run.step, loss=run.logged_loss / run.logged_items if run.logged_items
+                                      else loss_value, lr=lr, samples_per_second=run.samples_seen / run.train_seconds,
+                                      memory_bytes=memory.current_bytes, peak_bytes=memory.peak_bytes)
+                        if run.step % config.log_every == 0 or run.step == total_steps:
+                            run.last_loss = run.logged_loss / run.logged_items if run.logged_items else math.nan
+                            reporter.metrics.write({
+                                "type": "train", "step": run.step, "epoch": epoch, "loss": run.last_loss,
+                                "lr": lr, "grad_norm": norm_value,
+                                "samples_per_second": run.samples_seen / run.train_seconds,
+                                "memory_bytes": memory.current_bytes, "peak_memory_bytes": memory.peak_bytes,
+                                "rss_bytes": memory.rss_bytes})
+                            run.logged_loss, run.logged_items = 0.0, 0
+                        if config.save_every and run.step % config.save_every == 0 and run.step < total_steps:
+                            save()
+                    if run.offset >= num_train:  # the epoch ran to its end (no --max-steps break)
+                        run.epochs_completed = epoch
+                    if run.evaluations and run.evaluations[-1]["epoch"] == epoch:
+                        continue  # evaluated before the checkpoint this run resumed from
+                    recorded = len(recovery.events)
+                    with monitor.phase("eval"):
+                        accuracy, val_loss = recovery.run_eval(run.step, lambda size: evaluate(
+                            model, val_encoder, len(prepared.val_examples), size, precision, device))
+                    report_oom(reporter, recovery.events[recorded:])
+                    record = {"type": "eval", "epoch": epoch, "step": run.step, "accuracy": accuracy,
+                              "loss": val_loss}
+                    run.evaluations.append(record)
+                    reporter.evaluation(record)
+            reporter.stop()
+            if config.save_every:
+                save()
+            memory = monitor.snapshot()
 
     model.save_pretrained(output_dir / "model", safe_serialization=True)
     if prepared.tokenizer is not None:
         prepared.tokenizer.save_pretrained(output_dir / "model")
+    evaluations = run.evaluations
     summary = Summary(
-        val_accuracy=evaluations[-1]["accuracy"], val_loss=evaluations[-1]["loss"], train_loss=last_loss,
+        val_accuracy=evaluations[-1]["accuracy"], val_loss=evaluations[-1]["loss"], train_loss=run.last_loss,
         peak_memory_bytes=memory.peak_bytes,
         peak_memory_by_phase={name: memory.phase_peaks.get(name, 0) for name in (*PHASES, "eval")},
-        samples_per_second=samples_seen / train_seconds if train_seconds else 0.0,
-        optimizer_steps_per_second=step / train_seconds if train_seconds else 0.0,
-        optimizer_steps=optimizer_steps, effective_batch_size=config.effective_batch,
+        samples_per_second=run.samples_seen / run.train_seconds if run.train_seconds else 0.0,
+        optimizer_steps_per_second=run.step / run.train_seconds if run.train_seconds else 0.0,
+        optimizer_steps=run.optimizer_steps, effective_batch_size=config.effective_batch,
         micro_batch_size=recovery.micro_batch_size, accumulation_steps=recovery.accumulation_steps,
         precision=precision.name, checkpointing=config.checkpointing, trainable_parameters=trainable,
         total_parameters=total, device=prepared.device.describe(), config=config.to_dict(),
-        epochs_completed=epochs_completed, train_samples=num_train, val_samples=len(prepared.val_examples),
-        train_seconds=train_seconds, total_seconds=time.perf_counter() - started,
-        peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=skipped,
-        oom_recoveries=recovery.events,
+        epochs_completed=run.epochs_completed, train_samples=num_train, val_samples=len(prepared.val_examples),
+        train_seconds=run.train_seconds, total_seconds=time.perf_counter() - started,
+        peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=run.skipped,
+        oom_recoveries=recovery.events, resumed_from=str(checkpoint.path) if checkpoint is not None else None,
         evaluations=evaluations, output_dir=str(output_dir))
     write_json(output_dir / "summary.json", summary.to_dict())
     reporter.summary(summary)
     return summary
+
+
+def report_oom(reporter: Reporter, events: list[dict[str, Any]]) -> None:
+    """Log and show the out-of-memory events of one window or evaluation."""
+    for event in events:
+        reporter.metrics.write(event)
+        if event["phase"] == "eval":
+            reporter.warn(f"step {event['step']}: out of memory while evaluating; eval batch "
+                          f"{event['old_eval_batch_size']} -> {event['new_eval_batch_size']}")
+        else:
+            reporter.warn(f"step {event['step']}: out of memory at micro-batch {event['old_micro_batch_size']} "
+                          f"({format_bytes(event['memory_bytes'])} in use); {event['action']} -> micro-batch "
+                          f"{event['new_micro_batch_size']} x {event['accumulation_steps']}")
+
+
+def record_skip(run: checkpoints.Progress, check: StepCheck, *, handled_by_scaler: bool, reporter: Reporter,
+                max_nonfinite_steps: int) -> None:
+    """Record a skipped (non-finite) optimizer step; stop the run after too many in a row."""
+    skip: dict[str, Any] = {"step": run.step, "loss_finite": check.loss_finite, "grads_finite": check.grads_finite,
+                            "handled_by": "grad_scaler" if handled_by_scaler else "memfit",
+                            "parameters": check.bad_parameters}
+    run.skipped.append(skip)
+    reporter.metrics.write({"type": "skip", **skip})
+    if handled_by_scaler:  # scaler overflows are expected and self-correcting
+        return
+    run.consecutive_nonfinite += 1
+    reporter.warn(f"step {run.step}: non-finite {'loss' if not check.loss_finite else 'gradients'}"
+                  f"{' in ' + ', '.join(skip['parameters']) if skip['parameters'] else ''}; update skipped")
+    if run.consecutive_nonfinite >= max_nonfinite_steps:
+        raise TrainingError(f"stopped at step {run.step}: {run.consecutive_nonfinite} consecutive optimizer steps "
+                            "had a non-finite loss or gradients; lower --lr, use --precision fp32, or set "
+                            "--max-grad-norm")
+
+
+def resume_state(checkpoint: checkpoints.Checkpoint, config: TrainConfig, order: list[int], model: nn.Module,
+                 trained: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, scheduler: Any,
+                 scaler: torch.amp.GradScaler | None, recovery: OomRecovery, reporter: Reporter,
+                 device: torch.device) -> tuple[checkpoints.Progress, list[int], dict[str, Any]]:
+    """Put the run back where ``checkpoint`` left it: (progress, the epoch's order, the partial window)."""
+    state, run = checkpoint.state, checkpoint.progress
+    changes = checkpoints.config_changes(checkpoint.config, config.to_dict())
+    if changes:
+        reporter.warn(f"resuming {checkpoint.path} with a changed config (saved -> now): {'; '.join(changes)}")
+    saved_order = state["order"].tolist()
+    if len(saved_order) != len(order):
+        raise CheckpointError(f"--resume {checkpoint.path}: it was trained on {len(saved_order)} examples, this "
+                              f"run has {len(order)}; resume with the same --data and split options")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    saved_config = TrainConfig(**{k: v for k, v in checkpoint.config.items() if k in config.to_dict()})
+    if saved_config.resolved_micro_batch_size == config.resolved_micro_batch_size:
+        recovery.micro_batch_size = run.micro_batch_size  # an OOM-reduced micro-batch stays reduced
+    if saved_config.eval_batch_size == config.eval_batch_size:
+        recovery.eval_batch_size = run.eval_batch_size
+    recovery.events = list(run.oom_recoveries)
+    partial: dict[str, Any] = {}
+    if run.micro_steps_done and recovery.micro_batch_size == run.micro_batch_size:
+        for name, parameter in trained:  # continue the window after its last finished micro-step
+            if name in checkpoint.grads:
+                parameter.grad = checkpoint.grads[name].to(device)
+        partial = {"micro_steps_done": run.micro_steps_done, "loss": state["window_loss"],
+                   "rng_window_start": state["rng_window_start"]}
+        checkpoints.set_rng_state(state["rng"], device)
+    elif run.micro_steps_done:  # another micro-batch size: the window restarts from its first sample
+        checkpoints.set_rng_state(state["rng_window_start"], device)
+    else:
+        checkpoints.set_rng_state(state["rng"], device)
+    run.micro_steps_done = 0
+    reporter.console.print(f"resumed from {checkpoint.path} at step {run.step} (epoch {run.epoch}, "
+                           f"{run.offset} samples in)")
+    return run, saved_order, partial
+
+
+def truncate(path: Path, size: int) -> None:
+    """Cut what a stopped run wrote after its checkpoint, so resumed metrics are the uninterrupted run's."""
+    if path.is_file() and path.stat().st_size > size:
+        os.truncate(path, size)
 
 
 @torch.no_grad()

@@ -17,6 +17,8 @@ class MemfitError(Exception):
     """Base class: one or more problems, each a single line."""
 
     exit_code = 2
+    label = "error"
+    """How the CLI prefixes each line: ``memfit: error: ...``."""
 
     def __init__(self, problems: list[str] | str) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
@@ -32,10 +34,24 @@ class DataError(MemfitError):
     """A dataset that is missing, empty, or does not match the model's head."""
 
 
+class CheckpointError(MemfitError):
+    """A checkpoint that is incomplete, corrupted, or from another model; or an output dir in the way."""
+
+
 class TrainingError(MemfitError):
     """A run that had to stop (for example after repeated non-finite steps); exit code 1."""
 
     exit_code = 1
+
+
+class Interrupted(MemfitError):
+    """SIGTERM/SIGINT stopped the run after saving a checkpoint; exit code 128 + the signal number."""
+
+    label = "stopped"
+
+    def __init__(self, problems: list[str] | str, *, signal_number: int) -> None:
+        super().__init__(problems)
+        self.exit_code = 128 + signal_number
 
 
 class Problems:

@@ -10,6 +10,7 @@ and speed and says nothing about accuracy.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,8 +109,9 @@ def resolve_model(name: str) -> ModelSpec:
         return _from_directory(name, path)
     if path.exists():
         raise ConfigError(f"--model {name}: is a file; pass a preset or a Hugging Face model directory")
+    hub_like = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None  # org/name, not ./dir or /abs/dir
     hint = (" looks like a Hub id, and memfit never downloads: fetch it on a connected machine and pass the "
-            "local directory" if "/" in name else " is not a preset or a local directory")
+            "local directory" if hub_like else " is not a preset or a local directory")
     raise ConfigError(f"--model {name!r}{hint} (presets: {', '.join(PRESETS)})")
 
 
@@ -121,7 +123,8 @@ def _from_directory(name: str, path: Path) -> ModelSpec:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"--model {name}: cannot read config.json: {first_line}") from None
+        raise ConfigError(f"--model {name}: cannot read config.json: {first_line} Fix or replace the "
+                          "file") from None
     has_weights = any((path / file).is_file() for file in WEIGHT_FILES)
     has_tokenizer = (path / "tokenizer.json").is_file() or (path / "vocab.txt").is_file() or (
         path / "tokenizer_config.json").is_file()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -65,6 +66,8 @@ class Summary:
     oom_recoveries: list[dict[str, Any]] = field(default_factory=list)
     """One event per out-of-memory error survived: step, action (retry/split), old and new micro-batch."""
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    resumed_from: str | None = None
+    """The checkpoint this run continued from, if any (peak memory and speed are of the resumed part)."""
     output_dir: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +83,11 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    @property
+    def offset(self) -> int:
+        """The file's length in bytes (every line is flushed)."""
+        return os.fstat(self._file.fileno()).st_size
 
     def close(self) -> None:
         self._file.close()
@@ -105,11 +113,11 @@ class Reporter:
     def warn(self, message: str) -> None:
         self.console.print(f"[bold yellow]warning:[/] {message}")
 
-    def start(self, total_steps: int) -> None:
+    def start(self, total_steps: int, *, completed: int = 0) -> None:
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[stats]}"), console=self.console, transient=False)
-        self._task = self._progress.add_task("train", total=total_steps, stats="")
+        self._task = self._progress.add_task("train", total=total_steps, completed=completed, stats="")
         self._progress.start()
 
     def step(self, *, step: int, loss: float, lr: float, samples_per_second: float, memory_bytes: int,

@@ -10,6 +10,7 @@ the window's token count.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -52,15 +53,19 @@ class PhaseTracker(Protocol):
 
 
 def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items: int, *, precision: Precision,
-                      scaler: torch.amp.GradScaler | None, device: torch.device,
-                      phases: PhaseTracker) -> torch.Tensor:
+                      scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
+                      loss_so_far: torch.Tensor | None = None,
+                      should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
     """Forward and backward over one window's micro-batches, accumulating gradients in ``.grad``.
 
     ``window_items`` is the window's labelled-item count (:func:`item_count`, summed on the host). Returns the
-    window's loss, a device tensor (not synced). Each micro-batch's graph is freed before the next forward, so
-    only one micro-batch's activations are alive at a time.
+    window's loss, a device tensor (not synced), and how many micro-batches ran: all of them, unless
+    ``should_stop()`` turned true after one (a stop signal; the caller saves the partial window). A window
+    resumed part-way passes its remaining micro-batches and ``loss_so_far``. Each micro-batch's graph is freed
+    before the next forward, so only one micro-batch's activations are alive at a time.
     """
-    window_loss = torch.zeros((), device=device)
+    window_loss = torch.zeros((), device=device) if loss_so_far is None else loss_so_far.to(device)
+    done = 0
     for host_batch in micro_batches:
         batch = to_device(host_batch, device)
         phases.track(*batch.values(), category="inputs")
@@ -71,4 +76,7 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
             (scaler.scale(loss) if scaler is not None else loss).backward()
         window_loss += loss.detach()
         del loss, batch  # free this micro-batch's graph before the next forward
-    return window_loss
+        done += 1
+        if should_stop is not None and done < len(micro_batches) and should_stop():
+            break
+    return window_loss, done

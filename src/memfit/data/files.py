@@ -14,17 +14,43 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if path.suffix.lower() == ".csv":
-        with path.open(newline="", encoding="utf-8") as file:
-            return list(csv.DictReader(file))
+    try:
+        return _read_csv(path) if path.suffix.lower() == ".csv" else _read_jsonl(path)
+    except UnicodeDecodeError as error:
+        raise DataError(f"--data {path}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                        f"{error.start}); re-save the file as UTF-8") from None
+    except OSError as error:
+        raise DataError(f"--data {path}: cannot read it ({error.strerror}); check the path and its "
+                        "permissions") from None
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    with path.open(newline="", encoding="utf-8") as file:
+        reader = csv.DictReader(file)
+        rows = []
+        for row in reader:
+            if None in row:  # more fields than the header names
+                raise DataError(f"--data {path}: line {reader.line_num} has more fields than the header's "
+                                f"{len(reader.fieldnames or [])}; quote texts that contain commas")
+            rows.append(row)
+        return rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     with path.open(encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise DataError(f"--data {path}: line {number} is not JSON ({error.msg})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"--data {path}: line {number} is not JSON ({error.msg}); write one JSON "
+                                "object per line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"--data {path}: line {number} is a JSON {type(row).__name__}, not an object; "
+                                'write one object per line, e.g. {"text": "...", "label": "pos"}')
+            rows.append(row)
     return rows
 
 
@@ -68,4 +94,17 @@ def load_image_folder(path: Path) -> ImageExamples:
         labels.extend([label] * len(files))
     if not images:
         raise DataError(f"--data {path}: no image files ({', '.join(IMAGE_SUFFIXES)}) in its class folders")
+    for image in images:  # headers only: a broken file fails here, not in the middle of training
+        _check_image(image)
     return ImageExamples(images=list(images), labels=labels, label_names=classes)
+
+
+def _check_image(path: Path) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise DataError(f"--data: cannot read image {path} ({str(error).splitlines()[0] or type(error).__name__}); "
+                        "remove or replace the file") from None

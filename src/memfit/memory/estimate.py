@@ -201,8 +201,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     optimizer = build_optimizer_for(model, config, foreach_default=cuda)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
-        window_loss = accumulate_window(model, micro_batches, window_items.pop(0), precision=precision,
-                                        scaler=scaler, device=device, phases=phases)
+        window_loss, _ = accumulate_window(model, micro_batches, window_items.pop(0), precision=precision,
+                                           scaler=scaler, device=device, phases=phases)
         with phases.phase("optimizer"):
             guarded_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=config.max_grad_norm,
                          read=read)

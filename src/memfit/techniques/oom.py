@@ -24,34 +24,16 @@ evaluation OOM and never the training micro-batch.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
+from memfit.checkpoints import rng_state, set_rng_state
 from memfit.errors import TrainingError
 from memfit.memory.tracker import OUT_OF_MEMORY
 
 T = TypeVar("T")
-
-
-def capture_rng(device: torch.device) -> dict[str, Any]:
-    """Python, NumPy, torch (and this CUDA device's) random states."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 class OomRecovery:
@@ -69,15 +51,21 @@ class OomRecovery:
         self.memory_needed = memory_needed
         """A phrase naming the memory a micro-batch of 1 needs, for the final error ('' when unknown)."""
         self.events: list[dict[str, Any]] = []
+        self.window_rng: dict[str, Any] = {}
+        """The random state at the start of the current window: what a restart of the window replays."""
 
     @property
     def accumulation_steps(self) -> int:
         return math.ceil(self.effective_batch / self.micro_batch_size)
 
-    def run_window(self, step: int, attempt: Callable[[int], T], reset: Callable[[], None]) -> T:
-        """``attempt(micro_batch_size)`` until it succeeds; ``reset()`` clears a failed attempt's gradients."""
+    def run_window(self, step: int, attempt: Callable[[int], T], reset: Callable[[], None],
+                   rng: dict[str, Any] | None = None) -> T:
+        """``attempt(micro_batch_size)`` until it succeeds; ``reset()`` clears a failed attempt's gradients.
+
+        ``rng`` is the window's starting random state when the window was resumed part-way (default: now).
+        """
         failures = 0
-        rng = capture_rng(self.device)
+        self.window_rng = rng if rng is not None else rng_state(self.device)
         while True:
             done, result, memory, message = self._try(attempt, self.micro_batch_size)
             if done:
@@ -100,7 +88,7 @@ class OomRecovery:
                                 "new_micro_batch_size": self.micro_batch_size,
                                 "accumulation_steps": self.accumulation_steps, "memory_bytes": memory,
                                 "message": message})
-            restore_rng(rng, self.device)
+            set_rng_state(self.window_rng, self.device)
 
     def run_eval(self, step: int, attempt: Callable[[int], T]) -> T:
         """``attempt(eval_batch_size)``, halving only the evaluation batch on OOM."""

@@ -1,0 +1,156 @@
+"""Kill a real training process at exact and random moments, resume it in a fresh one: nothing changes.
+
+Each variant trains once uninterrupted (the reference), once in a subprocess that is stopped part-way, and
+once more in a fresh subprocess with ``--resume``. The per-step losses, learning rates, gradient norms,
+evaluations and final weights must be bit-for-bit those of the reference, and the windows of samples the two
+processes committed must be the reference's sequence: nothing skipped, nothing repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import memfit.engine
+from memfit.checkpoints import complete_checkpoints
+from memfit.cli import main
+from tests.conftest import TINY_BERT, load_weights, write_model_dir
+
+DRIVER = Path(__file__).with_name("interrupt_driver.py")
+TIMING = ("samples_per_second", "memory_bytes", "peak_memory_bytes", "rss_bytes")
+VARIANTS = {  # name: (extra options, interruption, expected exit code of the interrupted process)
+    "accumulation": ([], "kill:7", -signal.SIGKILL),
+    "frozen": (["--freeze-embeddings", "--train-top-layers", "1"], "kill:9", -signal.SIGKILL),
+    "bf16": (["--precision", "bf16"], "kill:6", -signal.SIGKILL),
+    "dropout": (["--dropout-model"], "kill:5", -signal.SIGKILL),
+    "during-save": ([], "save:2", -signal.SIGKILL),
+    "sigterm-mid-window": (["--dropout-model"], "term:5", 128 + signal.SIGTERM),
+    "sigint-at-window-end": ([], "int:6", 128 + signal.SIGINT),
+}
+
+
+def train_args(model: Path, data: Path, out: Path, extra: list[str]) -> list[str]:
+    return ["train", "--model", str(model), "--data", str(data), "--text-column", "review", "--label-column",
+            "sentiment", "--max-length", "32", "--effective-batch", "8", "--micro-batch-size", "4",
+            "--precision", "fp32", "--epochs", "2", "--max-steps", "14", "--lr", "1e-3", "--log-every", "1",
+            "--save-every", "2", "--keep-last", "2", "--output-dir", str(out), *extra]
+
+
+def driver(args: list[str], *, interrupt: str = "", probe: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "INTERRUPT": interrupt, "PROBE": str(probe)}
+    return subprocess.run([sys.executable, str(DRIVER), *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def reference(args: list[str], probe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_cut = memfit.engine.cut
+
+    def cut(indices: Any, size: int) -> Any:
+        if isinstance(indices, list):
+            with probe.open("a") as file:
+                file.write(json.dumps(indices) + "\n")
+        return real_cut(indices, size)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(memfit.engine, "cut", cut)
+        assert main(args) == 0
+
+
+def records(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [{k: v for k, v in line.items() if k not in TIMING} for line in lines if line["type"] == "train"]
+    return train, [line for line in lines if line["type"] == "eval"]
+
+
+def windows(probe: Path) -> list[list[int]]:
+    return [json.loads(line) for line in probe.read_text().splitlines()] if probe.exists() else []
+
+
+def assert_same_run(run_dir: Path, ref_dir: Path) -> None:
+    train, evals = records(run_dir)
+    ref_train, ref_evals = records(ref_dir)
+    assert [r["step"] for r in train] == list(range(1, 15))
+    assert train == ref_train  # losses, learning rates and gradient norms, step by step, bit for bit
+    assert evals == ref_evals
+    weights, ref_weights = load_weights(run_dir), load_weights(ref_dir)
+    assert weights.keys() == ref_weights.keys()
+    for name in weights:
+        assert torch.equal(weights[name], ref_weights[name]), name
+
+
+def assert_same_samples(first: Path, second: Path, ref: Path, resumed_step: int) -> None:
+    killed, resumed, uninterrupted = windows(first), windows(second), windows(ref)
+    assert len(uninterrupted) == 14
+    # the committed windows: the first process's up to the checkpoint, then the second process's
+    assert killed[:resumed_step] + resumed == uninterrupted
+    assert killed[resumed_step:] == uninterrupted[resumed_step:len(killed)]  # in-flight work, redone
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> dict[str, Path]:
+    return {"plain": write_model_dir(tmp_path / "bert", TINY_BERT),
+            "dropout": write_model_dir(tmp_path / "bert-dropout", {**TINY_BERT, "hidden_dropout_prob": 0.1,
+                                                                   "attention_probs_dropout_prob": 0.1})}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_interrupt_and_resume_is_exact(variant: str, models: dict[str, Path], reviews_csv: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    extra, interrupt, expected_code = VARIANTS[variant]
+    model = models["dropout" if "--dropout-model" in extra else "plain"]
+    extra = [option for option in extra if option != "--dropout-model"]
+    reference(train_args(model, reviews_csv, tmp_path / "ref", extra), tmp_path / "ref.probe", monkeypatch)
+
+    run_dir = tmp_path / "run"
+    args = train_args(model, reviews_csv, run_dir, extra)
+    first = driver(args, interrupt=interrupt, probe=tmp_path / "first.probe")
+    assert first.returncode == expected_code, first.stderr
+    if expected_code > 0:  # a signal memfit handled: a clean message saying how to continue
+        assert "Traceback" not in first.stderr
+        assert "checkpoint saved to" in first.stderr and "--resume" in first.stderr, first.stderr
+    if variant == "during-save":  # the half-written save is there but is not a checkpoint
+        assert [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+        assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000002"]
+    if variant == "sigterm-mid-window":
+        assert [p.name for p in complete_checkpoints(run_dir)][-1] == "step-00000002-micro-1"
+
+    second = driver([*args, "--resume"], probe=tmp_path / "second.probe")
+    assert second.returncode == 0, second.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    resumed_step = int(Path(summary["resumed_from"]).name.split("-")[1])
+    assert_same_run(run_dir, tmp_path / "ref")
+    assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", tmp_path / "ref.probe", resumed_step)
+    assert len(complete_checkpoints(run_dir)) == 2  # --keep-last 2
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_sigkill_at_a_random_moment(models: dict[str, Path], reviews_csv: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wall-clock kill: wherever it lands (a step, a save, an evaluation), the resumed run is the same."""
+    args = train_args(models["dropout"], reviews_csv, tmp_path / "run", [])
+    reference(train_args(models["dropout"], reviews_csv, tmp_path / "ref", []), tmp_path / "ref.probe", monkeypatch)
+    env = {**os.environ, "PROBE": str(tmp_path / "first.probe")}
+    process = subprocess.Popen([sys.executable, str(DRIVER), *args], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not complete_checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    second = driver([*args, "--resume"], probe=tmp_path / "second.probe")
+    assert second.returncode == 0, second.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    resumed_step = int(Path(summary["resumed_from"]).name.split("-")[1])
+    assert_same_run(tmp_path / "run", tmp_path / "ref")
+    assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", tmp_path / "ref.probe", resumed_step)
