@@ -95,6 +95,8 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
                                  help="continue from the newest checkpoint in --output-dir, or from PATH")
         reliability.add_argument("--overwrite", action="store_true", default=None,
                                  help="replace the run in an existing --output-dir")
+        reliability.add_argument("--quantize", action="store_true", help="int8-quantize the model at the end "
+                                                                         "and report (memfit quantize)")
     where = parser.add_argument_group("device and output")
     if for_estimate:
         where.add_argument("--device", dest="profile", default="cpu",
@@ -113,11 +115,20 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
 
 
 NO_CLIP = "none"
-NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps")
+NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps", "quantize")
 
 
 def _optional_float(text: str) -> float | str:
     return NO_CLIP if text.lower() in ("none", "off") else float(text)
+
+
+def _column_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--text-column", help="text column of a CSV/JSONL --data [the run's, or text]")
+    parser.add_argument("--label-column", help="label column of a CSV/JSONL --data [the run's, or label]")
+
+
+def _columns(args: argparse.Namespace) -> dict[str, str]:
+    return {name: getattr(args, name) for name in ("text_column", "label_column") if getattr(args, name)}
 
 
 def build_parser() -> Parser:
@@ -127,6 +138,18 @@ def build_parser() -> Parser:
     add_train_options(train)
     estimate = commands.add_parser("estimate", help="predict the peak memory of a training step, no GPU needed")
     add_train_options(estimate, for_estimate=True)
+    quantize = commands.add_parser("quantize", help="int8-quantize a fine-tuned model; compare it with fp32")
+    quantize.add_argument("source", metavar="RUN_DIR_OR_MODEL_DIR")
+    quantize.add_argument("--method", choices=("int8-dynamic", "int8-weight-only"), default="int8-dynamic",
+                          help="int8 weights with dynamic int8 activations, or int8 weights only [int8-dynamic]")
+    quantize.add_argument("--data", help="validation data [the run's own]")
+    _column_options(quantize)
+    quantize.add_argument("--output-dir", help="[<model dir>-<method>]")
+    quantize.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    evaluate = commands.add_parser("eval", help="validation accuracy of a saved (or quantized) model")
+    evaluate.add_argument("--model", required=True, help="a run dir, a model dir, or a quantized dir")
+    evaluate.add_argument("--data", help="validation data [the run's own]")
+    _column_options(evaluate)
     commands.add_parser("models", help="list the model presets")
     commands.add_parser("devices", help="list the device profiles")
     return parser
@@ -165,9 +188,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print_estimate(Console(), result)
             return 0
+        if args.command in ("quantize", "eval"):
+            from memfit import quantize as quantization
+
+            if args.command == "eval":
+                print(json.dumps(quantization.run_eval(args.model, data=args.data, columns=_columns(args))))
+                return 0
+            report = quantization.run_quantize(args.source, method=args.method, data=args.data,
+                                               output_dir=args.output_dir, columns=_columns(args))
+            if args.json:
+                print(json.dumps(report))
+            else:
+                print_quantize(Console(), report)
+            return 0
         from memfit.engine import train
 
-        summary = train(config_from_args(args), console=Console(stderr=True) if args.json else Console())
+        console = Console(stderr=True) if args.json else Console()
+        summary = train(config_from_args(args), console=console)
+        if args.quantize:
+            from memfit import quantize as quantization
+
+            print_quantize(console, quantization.run_quantize(summary.output_dir))
         if args.json:
             print(json.dumps(summary.to_dict()))
         return 0
@@ -201,6 +242,31 @@ def print_devices(console: Console) -> None:
                       f"{profile.fp16_flops / 1e12:g}", f"{profile.bf16_flops / 1e12:g}" if profile.bf16_flops
                       else "no", "yes" if profile.tensor_cores else "no")
     console.print(table)
+
+
+def print_quantize(console: Console, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    table = Table(title=f"memfit quantize: {report['method']} ({report['backend']}), CPU, {report['threads']} "
+                        f"threads, {report['val_samples']} validation samples", title_justify="left")
+    for column in ("", "fp32", "int8", "fp32 / int8"):
+        table.add_column(column, justify="right")
+    fp32, int8 = report["fp32"], report["int8"]
+    table.add_row("size on disk", format_bytes(fp32["size_bytes"]), format_bytes(int8["size_bytes"]),
+                  f"{report['size_ratio']:.2f}x")
+    table.add_row("weights in memory", format_bytes(fp32["memory_bytes"]), format_bytes(int8["memory_bytes"]),
+                  f"{report['memory_ratio']:.2f}x")
+    table.add_row("val accuracy", f"{fp32['val_accuracy']:.4f}", f"{int8['val_accuracy']:.4f}",
+                  f"{report['accuracy_delta_points']:+.2f} points")
+    table.add_row("latency batch 1 (median)", f"{fp32['latency_ms_batch1']:.1f} ms",
+                  f"{int8['latency_ms_batch1']:.1f} ms", f"{report['latency_ratio_batch1']:.2f}x")
+    table.add_row("latency batch 8 (median)", f"{fp32['latency_ms_batch8']:.1f} ms",
+                  f"{int8['latency_ms_batch8']:.1f} ms", f"{report['latency_ratio_batch8']:.2f}x")
+    console.print(table)
+    console.print(f"predictions agree on {100 * report['prediction_agreement']:.2f} % of the validation set; "
+                  f"largest logit difference {report['max_abs_logit_diff']:.4f}; saved to {report['output_dir']}")
 
 
 def print_estimate(console: Console, result: Any) -> None:

@@ -139,6 +139,18 @@ CASES: dict[str, tuple[Setup, str]] = {
     "resume-without-output-dir": (lambda w: ["train", "--resume"], "--resume needs --output-dir"),
     "checkpoint-corrupted": (corrupt_checkpoint, "state.pt: corrupted (checksum mismatch)"),
     "checkpoint-other-model": (other_model, "the checkpoint is of another model"),
+    # --- quantize and eval ---
+    "quantize-no-such-dir": (lambda w: ["quantize", str(w / "nowhere")], "no such run or model directory"),
+    "quantize-not-a-model": (lambda w: ["quantize", str(file(w, "notes/a.txt", "x").parent), "--data",
+                                        str(w / "reviews.csv"), "--text-column", "review", "--label-column",
+                                        "sentiment"], "no config.json in"),
+    "quantize-model-dir-without-data": (lambda w: ["quantize", str(w / "bert")], "give --data for its validation"),
+    "quantize-unknown-method": (lambda w: ["quantize", str(w / "bert"), "--method", "int4"],
+                                "invalid choice: 'int4'"),
+    "quantize-untrained-model": (lambda w: ["quantize", str(w / "bert"), "--data", str(w / "reviews.csv"),
+                                            "--text-column", "review", "--label-column", "sentiment",
+                                            "--output-dir", str(w / "q")], "no weights"),
+    "eval-not-a-model": (lambda w: ["eval", "--model", str(w / "nowhere")], "no such run or model directory"),
 }
 
 
