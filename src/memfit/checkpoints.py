@@ -106,9 +106,9 @@ class Checkpoint:
         """
         missing, unexpected = model.load_state_dict(self.weights, strict=False)
         assert not unexpected, unexpected
-        by_storage = {tensor.untyped_storage().data_ptr() for name, tensor in model.state_dict().items()
-                      if name in self.weights}
-        lost = [name for name in missing if model.state_dict()[name].untyped_storage().data_ptr() not in by_storage]
+        tensors = model.state_dict()
+        loaded = {tensors[name].untyped_storage().data_ptr() for name in self.weights}
+        lost = [name for name in missing if tensors[name].untyped_storage().data_ptr() not in loaded]
         if lost:
             raise CheckpointError(f"{self.path / WEIGHTS}: has no values for {', '.join(lost[:3])}; delete "
                                   f"{self.path} and resume from an earlier checkpoint")

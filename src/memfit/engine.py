@@ -87,6 +87,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
             run = checkpoints.Progress(micro_batch_size=recovery.micro_batch_size,
                                        eval_batch_size=recovery.eval_batch_size)
             partial: dict[str, Any] = {}  # a window resumed part-way: its gradients, loss and micro-steps done
+            stop = checkpoints.StopSignals()  # SIGTERM/SIGINT: finish the micro-step, save, exit
             order = window_order(num_train, seed=config.seed, epoch=run.epoch)
             if checkpoint is not None:
                 run, order, partial = resume_state(checkpoint, config, order, model, trained, optimizer, scheduler,
@@ -126,7 +127,6 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                 return Interrupted(f"{stop.name} after step {run.step}{where}: checkpoint saved to {path}; continue "
                                    "with the same command plus --resume", signal_number=stop.received or 0)
 
-            stop = checkpoints.StopSignals()
             reporter.start(total_steps, completed=run.step)
             with stop.installed():
                 for epoch in range(run.epoch, config.epochs + 1):

@@ -35,6 +35,7 @@ from torch import nn
 
 from memfit.build import Prepared, prepare
 from memfit.config import TrainConfig, from_mapping
+from memfit.data.batches import Encoder, cut
 from memfit.errors import ConfigError
 from memfit.models import build_model
 from memfit.step import loss_sum
@@ -83,13 +84,11 @@ def tensor_bytes(model: nn.Module) -> int:
         if isinstance(value, torch.Tensor):
             return value.untyped_storage().nbytes() if value.layout == torch.strided else value.element_size() * \
                 value.numel()
-        if isinstance(value, tuple):  # torch.ao packed params unpack to (weight, bias)
-            return sum(size(item) for item in value)
         return 0
 
     total = 0
     for name, value in model.state_dict().items():
-        if name.endswith("_packed_params._packed_params"):
+        if name.endswith("_packed_params._packed_params"):  # torch.ao: (int8 weight, fp32 bias)
             weight, bias = value
             total += weight.int_repr().numel() + (bias.numel() * 4 if bias is not None else 0) + 8
         else:
@@ -146,24 +145,22 @@ class Evaluation:
 
 
 @torch.inference_mode()
-def evaluate_logits(model: nn.Module, prepared: Prepared, batch_size: int = 64) -> Evaluation:
+def evaluate_logits(model: nn.Module, encoder: Encoder, count: int, batch_size: int = 64) -> Evaluation:
+    """Logits and labels of the first ``count`` examples of ``encoder``."""
     model.eval()
-    encoder = prepared.encoder(prepared.val_examples)
-    count = len(prepared.val_examples)
     logits, labels = [], []
-    for start in range(0, count, batch_size):
-        batch = encoder(range(start, min(count, start + batch_size)))
+    for chunk in cut(range(count), batch_size):
+        batch = encoder(chunk)
         logits.append(loss_sum(model, batch)[1].float())
         labels.append(batch["labels"])
     return Evaluation(logits=torch.cat(logits), labels=torch.cat(labels))
 
 
 @torch.inference_mode()
-def latency_ms(model: nn.Module, prepared: Prepared, batch_size: int, *, repeats: int = 20,
+def latency_ms(model: nn.Module, encoder: Encoder, count: int, batch_size: int, *, repeats: int = 20,
                warmup: int = 3) -> float:
-    """Median wall-clock milliseconds of one forward pass over ``batch_size`` validation examples."""
-    encoder = prepared.encoder(prepared.val_examples)
-    batch = encoder([index % len(prepared.val_examples) for index in range(batch_size)])
+    """Median wall-clock milliseconds of one forward pass over ``batch_size`` of the ``count`` examples."""
+    batch = encoder([index % count for index in range(batch_size)])
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
     times = []
     for index in range(warmup + repeats):
@@ -217,13 +214,14 @@ def run_quantize(source: str, *, method: str = "int8-dynamic", data: str | None 
     backend = quantize_model(int8, method)
     out = Path(output_dir) if output_dir else model_dir.parent / f"{model_dir.name}-{method}"
     save_quantized(int8, out, method=method, backend=backend, source=model_dir, tokenizer=prepared.tokenizer)
-    reference, quantized = evaluate_logits(fp32, prepared), evaluate_logits(int8, prepared)
+    encoder, count = prepared.encoder(prepared.val_examples), len(prepared.val_examples)  # tokenised once
+    reference, quantized = evaluate_logits(fp32, encoder, count), evaluate_logits(int8, encoder, count)
     sides = {}
     for name, model, evaluation, disk in (("fp32", fp32, reference, weights_bytes(model_dir)),
                                           ("int8", int8, quantized, (out / STATE).stat().st_size)):
         sides[name] = {"size_bytes": disk, "memory_bytes": tensor_bytes(model), "val_accuracy": evaluation.accuracy,
-                       "latency_ms_batch1": latency_ms(model, prepared, 1),
-                       "latency_ms_batch8": latency_ms(model, prepared, 8)}
+                       "latency_ms_batch1": latency_ms(model, encoder, count, 1),
+                       "latency_ms_batch8": latency_ms(model, encoder, count, 8)}
     report = {
         "backend": backend, "method": method, "source": str(model_dir), "output_dir": str(out),
         "val_samples": len(prepared.val_examples), "threads": torch.get_num_threads(), **sides,
@@ -253,5 +251,5 @@ def run_eval(source: str, *, data: str | None = None, columns: dict[str, str] | 
         _, config = source_config(source, data=data, columns=columns)
         prepared = prepare(config)
         model = load_fp32(prepared)
-    evaluation = evaluate_logits(model, prepared)
+    evaluation = evaluate_logits(model, prepared.encoder(prepared.val_examples), len(prepared.val_examples))
     return {"model": str(path), "val_accuracy": evaluation.accuracy, "val_samples": len(prepared.val_examples)}

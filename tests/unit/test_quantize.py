@@ -61,7 +61,8 @@ def test_int8_shrinks_the_model_keeps_its_predictions_and_reloads(trained_run: P
     quantize_model(fresh, "int8-dynamic")
     reloaded = load_quantized(out)
     # the saved int8 model is the quantized model, bit for bit
-    assert torch.equal(evaluate_logits(reloaded, prepared).logits, evaluate_logits(fresh, prepared).logits)
+    encoder, count = prepared.encoder(prepared.val_examples), len(prepared.val_examples)
+    assert torch.equal(evaluate_logits(reloaded, encoder, count).logits, evaluate_logits(fresh, encoder, count).logits)
     assert run_eval(str(out))["val_accuracy"] == report["int8"]["val_accuracy"]
     assert run_eval(str(trained_run))["val_accuracy"] == report["fp32"]["val_accuracy"]
 

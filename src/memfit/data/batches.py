@@ -8,7 +8,7 @@ smaller last chunk, and the loss is normalised by the window's sample count eith
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,11 +31,6 @@ def window_order(num_examples: int, *, seed: int, epoch: int) -> list[int]:
 def cut(indices: Sequence[int], size: int) -> list[list[int]]:
     """Consecutive chunks of at most ``size`` items."""
     return [list(indices[start:start + size]) for start in range(0, len(indices), size)]
-
-
-def windows(num_examples: int, *, effective_batch: int, seed: int, epoch: int) -> Iterator[list[int]]:
-    """The windows (sample indices of one optimizer step) of one epoch; the last may be partial."""
-    yield from cut(window_order(num_examples, seed=seed, epoch=epoch), effective_batch)
 
 
 class Encoder(Protocol):
