@@ -84,6 +84,10 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     schedule.add_argument("--log-every", type=int, help=f"optimizer steps per metrics line [{defaults.log_every}]")
 
     if not for_estimate:
+        planning = parser.add_argument_group("planning (memfit plan): the fastest setup within a memory budget")
+        planning.add_argument("--budget", metavar="SIZE", help="plan the micro-batch, precision, checkpointing and "
+                                                               "optimizer to fit SIZE (e.g. 11GiB), then train")
+        planning.add_argument("--plan", metavar="PLAN_JSON", help="train with a plan saved by memfit plan --save")
         reliability = parser.add_argument_group("reliability (out-of-memory recovery keeps the effective batch)")
         reliability.add_argument("--emulate-budget", metavar="SIZE",
                                  help="behave as if the device had SIZE of memory, e.g. 300MiB or 11GiB")
@@ -108,10 +112,110 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
         where.add_argument("--image-size", type=int, help="image size to estimate [the model's]")
         where.add_argument("--steps", type=int, default=2, help="optimizer steps to trace [2]")
     else:
-        where.add_argument("--device", choices=DEVICES, help=f"[{defaults.device}]")
+        where.add_argument("--device", help=f"{', '.join(DEVICES)}, or a GPU profile (1080ti, t4, ...): train on "
+                                            f"CUDA, planned for that card [{defaults.device}]")
     where.add_argument("--output-dir", help="[runs/<timestamp>]")
     where.add_argument("--config", help="TOML/YAML/JSON file with the same option names (flags override it)")
     where.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainConfig()
+    target = parser.add_argument_group("what to plan")
+    target.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or local HF model directory "
+                                        f"[{defaults.model}]")
+    target.add_argument("--seq-len", type=int, help=f"tokens per text [{defaults.max_length}]")
+    target.add_argument("--image-size", type=int, help="image size [the model's]")
+    target.add_argument("--effective-batch", type=int, default=32, help="samples per optimizer step; never "
+                                                                         "changed by the plan [32]")
+    target.add_argument("--num-labels", type=int, default=2, help="classes of the task head [2]")
+    budget = parser.add_argument_group("the budget")
+    budget.add_argument("--device", default="1080ti", help=f"device profile ({', '.join(PROFILES)}) or a "
+                                                           ".toml/.json profile file [1080ti]")
+    budget.add_argument("--budget", metavar="SIZE", help="memory to fit, e.g. 11GiB or 8GB [the device's]")
+    budget.add_argument("--margin", type=_fraction, default=0.05, help="headroom kept free, e.g. 5%% or 0.05 [5%%]")
+    allowed = parser.add_argument_group("what the plan may change (the effective batch never)")
+    allowed.add_argument("--precision", choices=PRECISIONS, default="auto",
+                         help="plan only this precision [auto: fp32 and the device's low precision]")
+    allowed.add_argument("--optimizer", choices=("adamw", "sgd"), help=f"[{defaults.optimizer}]")
+    allowed.add_argument("--allow-freeze", action="store_true", help="opt-in, changes what is learned: freeze "
+                                                                     "the embeddings or lower layers if needed")
+    allowed.add_argument("--allow-8bit-optimizer", action="store_true", help="opt-in: 8-bit AdamW states if "
+                                                                             "needed (bitsandbytes)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--config", help="TOML/YAML/JSON file with train options to plan for")
+    out.add_argument("--top", type=int, default=12, help="candidate rows to print [12]")
+    out.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    out.add_argument("--save", metavar="PLAN_JSON", help="write the plan for memfit train --plan")
+
+
+def _fraction(text: str) -> float:
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0.0 <= value < 0.5:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 50%")
+    return value
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from memfit.planner import plan
+
+    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer")
+             if getattr(args, name) is not None}
+    if args.seq_len is not None:
+        given["max_length"] = args.seq_len
+    config = from_mapping({**values, **given})
+    result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
+                  margin=args.margin, allow_freeze=args.allow_freeze, allow_8bit_optimizer=args.allow_8bit_optimizer,
+                  precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels)
+    if args.save:
+        result.save(args.save)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print_plan(Console(width=max(Console().width, 150)), result, top=args.top)
+        if args.save:
+            print(f"saved to {args.save}; train with: memfit train --plan {args.save}")
+    if result.chosen is None:
+        sys.stderr.write(f"memfit: nothing fits: {result.verdict.removeprefix('nothing fits ')}\n")
+        return 1
+    return 0
+
+
+def print_plan(console: Console, result: Any, *, top: int) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    shape = (f"seq len {result.sequence_length}" if result.sequence_length is not None
+             else f"image {result.image_size}px")
+    console.print(f"[bold]memfit plan[/]: {result.model} on {result.device_description}, effective batch "
+                  f"{result.effective_batch}, {shape}, budget {format_bytes(result.budget_bytes)} "
+                  f"({format_bytes(result.usable_bytes)} usable)")
+    if result.chosen is not None:
+        console.print(f"[green]chosen[/]: {result.chosen.describe()}")
+    table = Table(caption="peak: ~ = from the family's fit (a line or a lean trace), - = not traced (its speed "
+                          "is a bound)")
+    for column in ("#", "micro x acc", "precision", "checkpoint", "optimizer", "fits", "peak", "samples/s",
+                   "vs chosen", "why"):
+        table.add_column(column, justify="right" if column in ("#", "peak", "samples/s", "vs chosen") else "left",
+                         no_wrap=column != "why")
+    for rank, candidate in enumerate(result.candidates[:top], start=1):
+        family = candidate.family
+        fits = {True: "[green]yes", False: "[red]no", None: "-"}[candidate.fits]
+        peak = "-" if candidate.predicted_peak_bytes is None else (
+            ("" if candidate.exact else "~") + format_bytes(candidate.predicted_peak_bytes))
+        speed = f"{candidate.relative_speed:.2f}x" if candidate.relative_speed is not None else "-"
+        optimizer = family.optimizer_label + ("" if family.freeze == "none" else f", freeze {family.freeze}")
+        table.add_row(str(rank), f"{candidate.micro_batch_size} x {candidate.accumulation_steps}", family.precision,
+                      family.checkpointing, optimizer, fits, peak, f"{candidate.predicted_samples_per_second:.1f}",
+                      speed, candidate.reason)
+    console.print(table)
+    if len(result.candidates) > top:
+        console.print(f"({len(result.candidates) - top} more rows: --top {len(result.candidates)} or --json)")
+    console.print(result.verdict)
+    console.print(f"planned in {result.seconds:.1f} s from {result.traces} traces; peak = allocator reserve + "
+                  "non-PyTorch memory; speed from the FLOP/overhead cost model (memfit.planner)")
 
 
 NO_CLIP = "none"
@@ -150,6 +254,9 @@ def build_parser() -> Parser:
     evaluate.add_argument("--model", required=True, help="a run dir, a model dir, or a quantized dir")
     evaluate.add_argument("--data", help="validation data [the run's own]")
     _column_options(evaluate)
+    planner = commands.add_parser("plan", help="the fastest setup that fits a memory budget at a fixed "
+                                               "effective batch")
+    add_plan_options(planner)
     commands.add_parser("models", help="list the model presets")
     commands.add_parser("devices", help="list the device profiles")
     return parser
@@ -188,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print_estimate(Console(), result)
             return 0
+        if args.command == "plan":
+            return run_plan(args)
         if args.command in ("quantize", "eval"):
             from memfit import quantize as quantization
 

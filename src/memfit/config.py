@@ -63,6 +63,13 @@ class TrainConfig:
     eval_batch_size: int = 64
     """Samples per evaluation forward pass (no activations are kept for backward)."""
 
+    # --- planning ---
+    budget: str | None = None
+    """Plan the run to this much memory (e.g. ``11GiB``): the planner picks the micro-batch, precision,
+    checkpointing and optimizer implementation that train fastest within it (:mod:`memfit.planner`)."""
+    plan: str | None = None
+    """Train with a plan saved by ``memfit plan --save`` instead of planning now."""
+
     # --- techniques ---
     precision: str = "auto"
     """``fp32 | fp16 | bf16 | auto``. fp16 = autocast + GradScaler; bf16 = autocast, no scaler; auto = bf16 on
@@ -125,7 +132,8 @@ class TrainConfig:
 
     # --- where ---
     device: str = "auto"
-    """``auto | cpu | cuda``."""
+    """``auto | cpu | cuda``, or a GPU profile name (``1080ti``): train on this machine's CUDA device, planned
+    for that card (its memory is the budget unless ``budget`` says otherwise)."""
     output_dir: str | None = None
     """Where metrics, summary and the fine-tuned model go. Default: ``runs/<timestamp>``."""
 
@@ -140,7 +148,9 @@ class TrainConfig:
         _check_choice(problems, "precision", self.precision, PRECISIONS)
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice(problems, "device", self.device, DEVICES)
+        if self.device not in DEVICES and not _is_gpu_profile(self.device):
+            problems.add(f"--device {self.device!r} is not one of: {', '.join(DEVICES)}, or a GPU profile to plan "
+                         "for (memfit devices)")
         for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
                      "max_nonfinite_steps", "growth_interval"):
             _check_positive(problems, name, getattr(self, name))
@@ -182,6 +192,14 @@ class TrainConfig:
             problems.add(f"--init-scale must be > 0 (got {self.init_scale})")
         if self.emulate_budget is not None:
             problems.collect(lambda: parse_bytes(str(self.emulate_budget), option="--emulate-budget"))
+        if self.budget is not None:
+            problems.collect(lambda: parse_bytes(str(self.budget), option="--budget"))
+        if self.budget is not None and self.plan is not None:
+            problems.add("give either --budget (plan now) or --plan (use a saved plan), not both")
+        if (self.budget is not None or self.plan is not None) and (
+                self.micro_batch_size is not None or self.accumulation_steps is not None):
+            problems.add("--budget/--plan choose the micro-batch; drop --micro-batch-size/--accumulation-steps "
+                         "(or drop --budget/--plan)")
         if self.extra:
             problems.add(f"unknown option(s): {', '.join(sorted(self.extra))}; the names are those of "
                          "'memfit train --help', as snake_case or dash-case")
@@ -228,6 +246,13 @@ def _check_types(problems: Problems, config: TrainConfig) -> None:
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             expected = " or ".join(_NAMES[part] for part in parts)
             problems.add(f"--{spec.name.replace('_', '-')} must be {expected} (got {value!r})")
+
+
+def _is_gpu_profile(name: str) -> bool:
+    from memfit.devices import ALIASES, PROFILES
+
+    profile = PROFILES.get(ALIASES.get(name.lower(), name))
+    return profile is not None and profile.kind == "cuda"
 
 
 def _check_choice(problems: Problems, name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -47,11 +47,12 @@ class Device:
 
 
 def resolve_device(requested: str) -> Device:
-    """The device ``auto | cpu | cuda`` stands for on this machine."""
+    """The device ``auto | cpu | cuda`` stands for on this machine (a GPU profile name means ``cuda``)."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return Device(kind="cpu", name="cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available on this machine; use --device cpu")
+        raise ConfigError(f"--device {requested}: no CUDA device is available on this machine; use --device cpu "
+                          "(or plan for a card without one: memfit plan --device NAME)")
     index = torch.cuda.current_device()
     properties = torch.cuda.get_device_properties(index)
     return Device(
@@ -84,6 +85,18 @@ class DeviceProfile:
     tensor_cores: bool
     non_pytorch_bytes: int = 0
     """Memory the process uses outside PyTorch's allocator (CUDA context, cuBLAS/cuDNN workspaces)."""
+    op_overhead_s: float = 5e-6
+    """Host time per ATen op of an eager step (Python, dispatcher, kernel launch): what makes small
+    micro-batches slow. The planner's cost model charges it for every op a step dispatches."""
+
+    def flops_for(self, precision: str) -> float:
+        """Dense matmul throughput under ``precision`` (fp32, fp16 or bf16 autocast)."""
+        return {"fp32": self.fp32_flops, "fp16": self.fp16_flops, "bf16": self.bf16_flops}[precision]
+
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions worth planning with: fp32 and the device's low precision (bf16 where native; else
+        fp16 on CUDA; on CPU fp16 is ~20x slower and not offered)."""
+        return ("fp32", "bf16") if self.has_native_bf16 else ("fp32", "fp16")
 
     @property
     def kind(self) -> str:
@@ -126,12 +139,19 @@ PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
     _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True),
     _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True),
     DeviceProfile(name="cpu", description="host CPU", memory_bytes=0, compute_capability=None, fp32_flops=0.1 * TERA,
-                  fp16_flops=0.005 * TERA, bf16_flops=0.1 * TERA, memory_bandwidth=20e9, tensor_cores=False),
+                  fp16_flops=0.005 * TERA, bf16_flops=0.1 * TERA, memory_bandwidth=20e9, tensor_cores=False,
+                  op_overhead_s=2e-6),
 )}
 
 
+ALIASES = {"a100-40gb": "a100-40", "a100-80gb": "a100-80", "v100-16gb": "v100-16", "v100-32gb": "v100-32",
+           "gtx1080ti": "1080ti", "rtx2080ti": "2080ti", "rtx3090": "3090", "rtx4090": "4090"}
+"""Other spellings of the built-in names (``memfit devices`` lists the canonical ones)."""
+
+
 def resolve_profile(name: str) -> DeviceProfile:
-    """A built-in profile by name, or one read from a TOML/JSON file with the same field names."""
+    """A built-in profile by name (or alias), or one read from a TOML/JSON file with the same field names."""
+    name = ALIASES.get(name.lower(), name)
     if name in PROFILES:
         return PROFILES[name]
     path = Path(name)
@@ -171,7 +191,7 @@ def _profile_from_file(path: Path) -> DeviceProfile:
 
     raw = load_config_file(str(path))
     fields = {"name", "description", "memory_bytes", "compute_capability", "fp32_flops", "fp16_flops",
-              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes"}
+              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "op_overhead_s"}
     unknown = sorted(set(raw) - fields)
     missing = sorted({"name", "memory_bytes", "fp32_flops"} - set(raw))
     if unknown or missing:
@@ -184,4 +204,5 @@ def _profile_from_file(path: Path) -> DeviceProfile:
         fp32_flops=float(raw["fp32_flops"]), fp16_flops=float(raw.get("fp16_flops", raw["fp32_flops"])),
         bf16_flops=float(raw.get("bf16_flops", 0.0)), memory_bandwidth=float(raw.get("memory_bandwidth", 0.0)),
         tensor_cores=bool(raw.get("tensor_cores", False)),
-        non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)))
+        non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)),
+        op_overhead_s=float(raw.get("op_overhead_s", 5e-6)))

@@ -29,6 +29,7 @@ from memfit.errors import CheckpointError, Interrupted, TrainingError
 from memfit.memory.monitor import PHASES, Monitor
 from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
+from memfit.planner import Plan, plan_for_run
 from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.step import accumulate_window, item_count, loss_sum, to_device
 from memfit.techniques.oom import OomRecovery
@@ -41,7 +42,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     """Fine-tune ``config.model`` on ``config.data``; write metrics, summary and model; return the summary."""
     started = time.perf_counter()
     console = console or Console(stderr=True)
-    prepared = prepare(config)  # raises ConfigError/DataError before any work
+    prepared, plan = prepare_planned(config, console)  # raises ConfigError/DataError before any work
+    config = prepared.config
     output_dir = Path(config.output_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     checkpoint = checkpoints.resume_checkpoint(output_dir, resume=config.resume, overwrite=config.overwrite)
     device = prepared.device.torch_device
@@ -60,6 +62,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
         else:
             checkpoints.clear_run(output_dir)  # --overwrite, or --resume with nothing saved yet
         output_dir.mkdir(parents=True, exist_ok=True)
+        if plan is not None:
+            plan.save(output_dir / "plan.json")
         with Reporter(console, output_dir) as reporter:
             reporter.show_config(config_rows(prepared, output_dir, trainable, total))
             if not prepared.spec.is_pretrained:
@@ -227,11 +231,21 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
         epochs_completed=run.epochs_completed, train_samples=num_train, val_samples=len(prepared.val_examples),
         train_seconds=run.train_seconds, total_seconds=time.perf_counter() - started,
         peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=run.skipped,
-        oom_recoveries=recovery.events, resumed_from=str(checkpoint.path) if checkpoint is not None else None,
+        oom_recoveries=recovery.events, plan=plan.summary() if plan is not None else None,
+        resumed_from=str(checkpoint.path) if checkpoint is not None else None,
         evaluations=evaluations, output_dir=str(output_dir))
     write_json(output_dir / "summary.json", summary.to_dict())
     reporter.summary(summary)
     return summary
+
+
+def prepare_planned(config: TrainConfig, console: Console) -> tuple[Prepared, Plan | None]:
+    """The validated run; with ``--budget``/``--plan``, of the config the planner chose."""
+    prepared = prepare(config)
+    if config.budget is None and config.plan is None and config.device in ("auto", "cpu", "cuda"):
+        return prepared, None
+    planned, plan = plan_for_run(prepared, console)
+    return prepare(planned), plan
 
 
 def report_oom(reporter: Reporter, events: list[dict[str, Any]]) -> None:

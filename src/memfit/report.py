@@ -66,6 +66,9 @@ class Summary:
     oom_recoveries: list[dict[str, Any]] = field(default_factory=list)
     """One event per out-of-memory error survived: step, action (retry/split), old and new micro-batch."""
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
+    """With ``--budget``/``--plan``: the chosen setup as planned (its predicted peak and speed), the budget and
+    the planner's verdict; the whole plan is in ``plan.json``."""
     resumed_from: str | None = None
     """The checkpoint this run continued from, if any (peak memory and speed are of the resumed part)."""
     output_dir: str = ""

@@ -151,6 +151,17 @@ CASES: dict[str, tuple[Setup, str]] = {
                                             "--text-column", "review", "--label-column", "sentiment",
                                             "--output-dir", str(w / "q")], "no weights"),
     "eval-not-a-model": (lambda w: ["eval", "--model", str(w / "nowhere")], "no such run or model directory"),
+    # --- planning ---
+    "plan-budget-without-unit": (lambda w: base(w, "--budget", "11"), "--budget '11' is not a memory size"),
+    "budget-and-micro-batch": (lambda w: base(w, "--budget", "1GiB", "--micro-batch-size", "4"),
+                               "--budget/--plan choose the micro-batch"),
+    "plan-file-missing": (lambda w: base(w, "--plan", str(w / "plan.json")), "no such file; make one with"),
+    "plan-cpu-without-budget": (lambda w: ["plan", "--model", str(w / "bert"), "--device", "cpu"],
+                                "--device cpu has no fixed memory"),
+    "plan-unknown-device": (lambda w: ["plan", "--model", str(w / "bert"), "--device", "gtx970"],
+                            "is not a known device"),
+    "plan-bad-margin": (lambda w: ["plan", "--model", str(w / "bert"), "--margin", "80%"],
+                        "must be between 0 and 50%"),
 }
 
 

@@ -18,6 +18,10 @@ forward):
   float32 log-sum-exp of shape (B, H, S) (memory-efficient pads S to a multiple of 32), plus a philox seed
   and offset for dropout. The CPU math path instead saves the S x S probabilities and dropout masks. The
   wrapper replaces the call by an autograd function that produces and saves what the chosen kernel keeps.
+- **Attention FLOPs.** The stand-in runs no matmuls, so ``FlopCounterMode`` cannot see them; it adds the
+  fused kernels' FLOPs to :attr:`CudaEmulation.attention_flops` instead: 4·B·H·S·S'·D forward (QK^T and PV)
+  and 10·B·H·S·S'·D backward (the kernels recompute QK^T, then four gradient matmuls), the counts
+  FlashAttention's own papers use.
 - **Allocator rounding** is not done here: the tracker rounds each storage to 512 bytes for CUDA targets.
 
 What only a GPU can confirm: the kernels' internal workspaces (flash backward's fp32 accumulators, cuBLAS
@@ -80,7 +84,10 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                mask: torch.Tensor | None, lse_length: int, dropout: bool) -> torch.Tensor:
+                mask: torch.Tensor | None, lse_length: int, dropout: bool,
+                counter: CudaEmulation) -> torch.Tensor:
+        counter.attention_flops += 4 * _attention_size(query, key)
+        ctx.counter = counter
         output = torch.empty_like(query)  # (B, H, S, D)
         batch, heads = query.shape[0], query.shape[1]
         logsumexp = query.new_empty((batch, heads, lse_length), dtype=torch.float32)  # (B, H, S')
@@ -95,10 +102,17 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         query, key, value = ctx.saved_tensors[:3]
+        ctx.counter.attention_flops += 10 * _attention_size(query, key)
         grad_query = torch.empty_like(query)
         grad_key = torch.empty_like(key)
         grad_value = torch.empty_like(value)
-        return grad_query, grad_key, grad_value, None, None, None
+        return grad_query, grad_key, grad_value, None, None, None, None
+
+
+def _attention_size(query: torch.Tensor, key: torch.Tensor) -> int:
+    """B·H·S·S'·D: one multiply-add per query, key and head dimension."""
+    batch, heads, length, head_dim = query.shape
+    return int(batch * heads * length * key.shape[-2] * head_dim)
 
 
 class CudaEmulation:
@@ -106,6 +120,8 @@ class CudaEmulation:
 
     def __init__(self, compute_capability: tuple[int, int]) -> None:
         self.compute_capability = compute_capability
+        self.attention_flops = 0
+        """FLOPs of the fused attention kernels the trace stood in for (forward, backward, recompute)."""
         self._originals: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> CudaEmulation:
@@ -142,7 +158,8 @@ class CudaEmulation:
             key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
         length = query.shape[2]
         lse_length = length if kernel == "flash" else -(-length // 32) * 32
-        output: torch.Tensor = _FusedAttention.apply(query, key, value, attn_mask, lse_length, dropout_p > 0)
+        output: torch.Tensor = _FusedAttention.apply(query, key, value, attn_mask, lse_length, dropout_p > 0,
+                                                            self)
         return output
 
 

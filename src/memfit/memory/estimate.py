@@ -39,7 +39,7 @@ from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation
 from memfit.memory.tracker import StorageTracker
-from memfit.models import ModelSpec, resolve_model
+from memfit.models import ModelSpec, count_parameters, resolve_model
 from memfit.step import PhaseTracker, accumulate_window, item_count
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, guarded_step, read_values
@@ -73,6 +73,17 @@ class Estimate:
     config: dict[str, Any]
     traced_ops: int
     """ATen ops dispatched in the trace (forward, backward and optimizer of every traced step)."""
+    phase_ops: dict[str, int]
+    """ATen ops per phase over the traced steps: forward and backward sum every micro-step's."""
+    flops: int | None
+    """Matmul-class FLOPs of the traced steps (forward, backward, checkpointing's recompute), counted by
+    ``FlopCounterMode``; ``None`` unless asked for (``count_flops=True``)."""
+    trainable_parameters: int
+    """Parameters that get gradients and optimizer state."""
+    traced_micro_steps: int
+    """Forward/backward passes the traced steps ran."""
+    traced_samples: int
+    """Samples the traced steps ran: ``flops / traced_samples`` is the FLOPs per sample."""
     seconds: float
 
     @property
@@ -98,7 +109,7 @@ class TraceInputs:
 
 
 def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
-                  image_size: int | None = None, steps: int = 2) -> TraceInputs:
+                  image_size: int | None = None, steps: int = 2, lean_warmup: bool = False) -> TraceInputs:
     """Validate ``config`` for the target and make the inputs; every problem is reported at once."""
     config.validate()
     problems = Problems()
@@ -122,25 +133,34 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     micro = config.resolved_micro_batch_size
     counts = [min(micro, config.effective_batch - start) for start in range(0, config.effective_batch, micro)]
     windows = [[synthetic_batch(spec, count, length) for count in counts] for _ in range(steps)]
+    if lean_warmup and steps > 1:  # step 1 only creates the optimizer state: one micro-batch does that
+        windows[0] = windows[0][:1]
     return TraceInputs(profile=profile, spec=spec, precision=precision_name,
                        sequence_length=None if vision else length, image_size=size, windows=windows,
                        window_items=[sum(item_count(batch) for batch in window) for window in windows])
 
 
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
-             image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False) -> Estimate:
+             image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False,
+             count_flops: bool = False, lean_warmup: bool = False) -> Estimate:
     """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
 
+    ``count_flops=True`` also counts the FLOPs of the traced steps. ``lean_warmup=True`` runs the first step
+    on one micro-batch only: that step exists to create the optimizer state (the steady-state peak is reached
+    in step 2 and later), so the peak of a window of accumulation is the same for fewer ops.
     ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
     measurement the estimate is checked against.
     """
     started = time.perf_counter()
-    trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps)
+    trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps,
+                          lean_warmup=lean_warmup)
     profile, spec, length, size = trace.profile, trace.spec, trace.sequence_length, trace.image_size
     windows, window_items = trace.windows, trace.window_items
+    traced_samples = sum(window_items)  # before run_steps consumes the windows
+    traced_micro_steps = sum(len(window) for window in windows)
     precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
     allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
-    tracker = StorageTracker(allocator=allocator)
+    tracker = StorageTracker(allocator=allocator, count_flops=count_flops)
     if execute and profile.kind != "cpu":
         raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
     fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
@@ -151,6 +171,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         model = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
                                       pad_token_id=0)
         model.train()
+        trainable, _ = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
         with tracker, emulation or contextlib.nullcontext():
             # the scaler's state is made at the first backward and lives on: counted from the start
@@ -169,13 +190,18 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         headroom = profile.memory_bytes - peak_reserved - non_pytorch
         fits = headroom >= 0
     phases = {name: value + scaler_bytes for name, value in tracker.phase_peaks.items()}
+    flops = None
+    if count_flops:
+        flops = tracker.flops + (emulation.attention_flops if emulation is not None else 0)
     return Estimate(
         peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=non_pytorch, breakdown=breakdown,
         phases=phases, peak_phase=max(phases, key=lambda name: phases[name]), device=profile.name,
         device_memory_bytes=profile.memory_bytes, fits=fits, headroom_bytes=headroom,
         micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
         sequence_length=length, image_size=size, precision=precision.name,
-        config=config.to_dict(), traced_ops=tracker.op_count, seconds=time.perf_counter() - started)
+        config=config.to_dict(), traced_ops=tracker.op_count, phase_ops=dict(tracker.phase_ops), flops=flops,
+        trainable_parameters=trainable, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
+        seconds=time.perf_counter() - started)
 
 
 def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, windows: list[list[Batch]],

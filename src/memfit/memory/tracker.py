@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 """``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` before torch 2.5)."""
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 class StorageTracker(TorchDispatchMode):
     def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None,
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, count_flops: bool = False) -> None:
         super().__init__()
         self.round_to = round_to
         self.allocator = allocator
@@ -54,6 +55,13 @@ class StorageTracker(TorchDispatchMode):
         self.op_count = 0
         """Ops dispatched while tracking: what a trace's cost scales with."""
         self.phase_peaks: dict[str, int] = {}
+        self.phase_ops: dict[str, int] = {}
+        self.flops = 0
+        """Matmul-class FLOPs of the ops seen (``count_flops``), by torch's own FLOP formulas. Counted here
+        rather than by ``FlopCounterMode``, whose module hooks keep checkpointed layers' recomputed tensors
+        alive and so change the very peak being traced."""
+        self._flop_formulas = flop_registry if count_flops else None
+        """Ops dispatched per named phase: what a step's per-op (launch) overhead scales with."""
         self._phase: str | None = None
         self._sizes: dict[int, int] = {}
         self._categories: dict[int, str] = {}
@@ -63,6 +71,10 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.op_count += 1
+        if self._flop_formulas is not None and func._overloadpacket in self._flop_formulas:
+            self.flops += self._flop_formulas[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+        if self._phase is not None:
+            self.phase_ops[self._phase] = self.phase_ops.get(self._phase, 0) + 1
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)

@@ -1,0 +1,90 @@
+"""How long ``memfit plan`` takes, and what it chooses: a matrix of models x device profiles.
+
+Each plan runs in a fresh planner (no traces shared between plans) after one untimed warm-up plan that pays
+for the process's lazy imports. The target is a full plan for BERT-base (1080 Ti, seq 128, effective batch
+32) in at most 30 s on 2 CPU cores. All of it runs on the CPU: the predicted peaks are the estimator's for
+each card, the speeds the planner's cost model; only a GPU can confirm either.
+
+    .venv/bin/python benchmarks/plan_speed.py --json benchmarks/results/plan_speed_cpu.json
+    .venv/bin/python benchmarks/plan_speed.py --quick   # BERT-base on the 1080 Ti only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+
+from memfit import TrainConfig, plan
+from memfit.report import format_bytes
+
+TARGET_SECONDS = 30.0
+MODELS: dict[str, dict[str, Any]] = {
+    "bert-base S128": {"model": "bert-base", "seq_len": 128},
+    "bert-large S512": {"model": "bert-large", "seq_len": 512},
+    "vit-base 224px": {"model": "vit-base", "seq_len": None},
+}
+DEVICES = ("1080ti", "t4", "a100-40gb")
+TIGHT_BUDGET = "3GiB"
+
+
+def one(name: str, device: str, *, effective_batch: int, budget: str | None = None) -> dict[str, Any]:
+    setup = MODELS[name]
+    started = time.perf_counter()
+    result = plan(TrainConfig(model=setup["model"], effective_batch=effective_batch), device=device,
+                  seq_len=setup["seq_len"], budget=budget)
+    seconds = time.perf_counter() - started
+    chosen = result.chosen.to_dict() if result.chosen else None
+    where = device if budget is None else f"{device}, budget {budget}"
+    return {"model": name, "device": where, "seconds": seconds, "traces": result.traces, "chosen": chosen,
+            "budget_bytes": result.budget_bytes, "usable_bytes": result.usable_bytes, "verdict": result.verdict}
+
+
+def row(record: dict[str, Any]) -> str:
+    chosen = record["chosen"]
+    if chosen is None:
+        return f"| {record['model']} | {record['device']} | nothing fits | - | - | {record['seconds']:.1f} s |"
+    setup = (f"{chosen['micro_batch_size']} x {chosen['accumulation_steps']}, {chosen['precision']}, "
+             f"ckpt {chosen['checkpointing']}, {chosen['optimizer']}")
+    return (f"| {record['model']} | {record['device']} | {setup} | {format_bytes(chosen['predicted_peak_bytes'])} | "
+            f"{chosen['predicted_samples_per_second']:.1f} | {record['seconds']:.1f} s ({record['traces']} traces) |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only BERT-base on the 1080 Ti")
+    parser.add_argument("--effective-batch", type=int, default=32)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    plan(TrainConfig(model="bert-base", effective_batch=8), device="1080ti", seq_len=16)  # warm-up, untimed
+    pairs = [("bert-base S128", "1080ti")] if args.quick else [(m, d) for m in MODELS for d in DEVICES]
+    records = [one(name, device, effective_batch=args.effective_batch) for name, device in pairs]
+    # a tight budget: no family can be ruled out early, so every one is traced (the planner's worst case)
+    records.append(one("bert-base S128", "1080ti", effective_batch=args.effective_batch, budget=TIGHT_BUDGET))
+    print(f"memfit plan, effective batch {args.effective_batch}, {torch.get_num_threads()} CPU threads")
+    print("| model | device | chosen | predicted peak | predicted samples/s | planning time |")
+    print("|---|---|---|---|---|---|")
+    for record in records:
+        print(row(record))
+    for record in (r for r in records if r["model"] == "bert-base S128" and r["device"].startswith("1080ti")):
+        verdict = "meets" if record["seconds"] <= TARGET_SECONDS else "MISSES"
+        print(f"BERT-base plan, {record['device']}: {record['seconds']:.1f} s ({verdict} the "
+              f"{TARGET_SECONDS:.0f} s target)")
+    if args.json:
+        payload = {"records": records, "target_seconds": TARGET_SECONDS,
+                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                               "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+                   "date": datetime.date.today().isoformat(),
+                   "command": "python benchmarks/plan_speed.py" + (" --quick" if args.quick else "")}
+        with open(args.json, "w") as file:
+            json.dump(payload, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()

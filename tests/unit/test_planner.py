@@ -1,0 +1,177 @@
+"""The planner: monotonic in the budget, sane in its choices, exact where it says it is."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfit.config import TrainConfig
+from memfit.devices import DeviceProfile
+from memfit.errors import ConfigError
+from memfit.memory.estimate import Estimate, estimate
+from memfit.planner import Plan, load_plan, micro_batch_sizes, plan
+from tests.conftest import write_model_dir
+
+# Activations dominate this model's memory (small vocabulary, seq 64), so the budget decides the split.
+ACTIVATION_BERT: dict[str, Any] = {
+    "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 256, "hidden_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+}
+# A Pascal-like card: fp16 runs at fp32's rate, no bf16, no tensor cores.
+PASCAL = DeviceProfile(name="pascal", description="test Pascal card", memory_bytes=64 * 1024**2,
+                       compute_capability=(6, 1), fp32_flops=11.3e12, fp16_flops=11.3e12, bf16_flops=0.0,
+                       memory_bandwidth=484e9, tensor_cores=False)
+BUDGETS = range(1_000_000, 4_000_001, 250_000)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("planner") / "activation-bert", ACTIVATION_BERT)
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[Any, Estimate]:
+    return {}
+
+
+def base(model_dir: Path, **overrides: Any) -> TrainConfig:
+    return TrainConfig(**{"model": str(model_dir), "max_length": 64, "effective_batch": 8, **overrides})
+
+
+def cpu_plan(model_dir: Path, traces: dict[Any, Estimate], budget: int, **options: Any) -> Plan:
+    return plan(base(model_dir), device="cpu", budget=budget, seq_len=64, cache=traces, **options)
+
+
+def measured(model_dir: Path, candidate: Any, device: str | DeviceProfile = "cpu") -> Estimate:
+    """The chosen setup traced at its real accumulation (not the planner's two-micro-step window)."""
+    config = candidate.family.configure(base(model_dir), micro_batch_size=candidate.micro_batch_size,
+                                        effective_batch=8)
+    return estimate(config, device=device, seq_len=64)
+
+
+def test_micro_batch_sizes_cover_divisors_and_powers_of_two() -> None:
+    assert micro_batch_sizes(32) == [32, 16, 8, 4, 2, 1]
+    assert micro_batch_sizes(24) == [24, 12, 8, 6, 4, 3, 2, 1]
+    assert micro_batch_sizes(31) == [31, 16, 8, 4, 2, 1]  # a remainder goes to a smaller last micro-step
+    assert micro_batch_sizes(1) == [1]
+
+
+def test_a_bigger_budget_never_gives_a_slower_plan(model_dir: Path, traces: dict[Any, Estimate]) -> None:
+    speeds, setups = [], set()
+    for budget in BUDGETS:
+        chosen = cpu_plan(model_dir, traces, budget).chosen
+        assert chosen is not None, budget
+        speeds.append(chosen.predicted_samples_per_second)
+        setups.add(chosen.describe())
+    assert speeds == sorted(speeds)
+    assert len(setups) >= 3  # the sweep crosses several choices, or it would prove nothing
+
+
+def test_checkpointing_is_chosen_only_when_no_plain_setup_fits(model_dir: Path,
+                                                               traces: dict[Any, Estimate]) -> None:
+    kinds = set()
+    for budget in BUDGETS:
+        result = cpu_plan(model_dir, traces, budget)
+        chosen = result.chosen
+        assert chosen is not None
+        kinds.add(chosen.family.checkpointing)
+        if chosen.family.checkpointing == "none":
+            continue
+        # the same setup without checkpointing needs more than the budget allows ...
+        plain = dataclasses.replace(chosen.family, checkpointing="none")
+        config = plain.configure(base(model_dir), micro_batch_size=chosen.micro_batch_size, effective_batch=8)
+        assert estimate(config, device="cpu", seq_len=64).total_bytes > result.usable_bytes
+        # ... and every setup without it that fits (e.g. a smaller micro-batch) is predicted slower
+        plain_fits = [c for c in result.candidates if c.fits and c.family.checkpointing == "none"]
+        assert all(c.predicted_samples_per_second < chosen.predicted_samples_per_second for c in plain_fits)
+    assert "none" in kinds and kinds - {"none"}
+
+
+def test_the_chosen_peak_is_the_exact_trace_of_the_run(model_dir: Path, traces: dict[Any, Estimate]) -> None:
+    for budget in (1_000_000, 1_750_000, 3_000_000):
+        chosen = cpu_plan(model_dir, traces, budget).chosen
+        assert chosen is not None and chosen.exact
+        assert chosen.predicted_peak_bytes == measured(model_dir, chosen).total_bytes
+
+
+def test_accumulation_beyond_two_micro_steps_adds_only_the_window_inputs(model_dir: Path) -> None:
+    traces = [estimate(base(model_dir, micro_batch_size=2, effective_batch=window), device="cpu", seq_len=64)
+              for window in (4, 8, 16)]
+    inputs_per_sample = 2 * 64 * 8 + 8  # input_ids and attention_mask (int64, seq 64), one int64 label
+    assert [t.peak_bytes - traces[0].peak_bytes for t in traces] == [0, 4 * inputs_per_sample,
+                                                                     12 * inputs_per_sample]
+
+
+def test_plain_fp32_is_chosen_where_fp16_is_no_faster(model_dir: Path, traces: dict[Any, Estimate]) -> None:
+    result = plan(base(model_dir), device=PASCAL, seq_len=64, cache=traces)
+    assert result.chosen is not None
+    family = result.chosen.family
+    assert (family.precision, family.checkpointing, result.chosen.micro_batch_size) == ("fp32", "none", 8)
+    assert result.budget_bytes == PASCAL.memory_bytes
+    # fp16 was not even traced: it cannot be faster here, which the table says
+    fp16 = [c for c in result.candidates if c.family.precision == "fp16"]
+    assert fp16 and all(c.fits is None and "cannot beat" in c.reason for c in fp16)
+
+
+def test_nothing_fits_names_the_smallest_need_and_the_opt_in(model_dir: Path, traces: dict[Any, Estimate]) -> None:
+    result = cpu_plan(model_dir, traces, 600_000)
+    assert result.chosen is None
+    smallest = min(c.predicted_peak_bytes or 0 for c in result.candidates if c.family.accuracy_neutral and c.exact)
+    assert "nothing fits" in result.verdict and "the smallest any allowed setup needs" in result.verdict
+    assert "--allow-freeze (top-1) would fit" in result.verdict
+    assert smallest > result.usable_bytes
+    with pytest.raises(ConfigError, match="nothing fits"):
+        result.to_config()
+    frozen = cpu_plan(model_dir, traces, 600_000, allow_freeze=True).chosen
+    assert frozen is not None and frozen.fits and not frozen.family.accuracy_neutral
+    assert "--allow-freeze (embeddings) would fit" in result.verdict
+    assert frozen.family.freeze == "embeddings"  # the least freezing that fits
+
+
+def test_to_training_arguments_builds_hf_training_arguments(model_dir: Path, traces: dict[Any, Estimate],
+                                                            tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    result = cpu_plan(model_dir, traces, 1_000_000)
+    assert result.chosen is not None
+    arguments = transformers.TrainingArguments(output_dir=str(tmp_path), **result.to_training_arguments())
+    assert arguments.per_device_train_batch_size == result.chosen.micro_batch_size
+    assert arguments.gradient_accumulation_steps == result.chosen.accumulation_steps
+    assert (arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps
+            >= result.effective_batch)
+    assert arguments.gradient_checkpointing == (result.chosen.family.checkpointing != "none")
+    assert arguments.bf16 == (result.chosen.family.precision == "bf16") and not arguments.fp16
+
+
+def test_a_saved_plan_gives_the_same_config(model_dir: Path, traces: dict[Any, Estimate], tmp_path: Path) -> None:
+    result = cpu_plan(model_dir, traces, 1_250_000)
+    result.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.to_config() == result.to_config()
+    assert loaded.chosen is not None and loaded.chosen.to_dict() == result.chosen.to_dict()  # type: ignore[union-attr]
+
+
+def test_planning_inputs_are_checked(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="--device cpu has no fixed memory"):
+        plan(base(model_dir), device="cpu")
+    with pytest.raises(ConfigError, match="--budget '11G' is not a memory size"):
+        plan(base(model_dir), device="cpu", budget="11G")
+    with pytest.raises(ConfigError, match="--precision fp16: not planned on host CPU"):
+        plan(base(model_dir), device="cpu", budget="1GiB", precisions=("fp16",))
+
+
+def test_train_device_may_name_a_gpu_profile_to_plan_for() -> None:
+    import torch
+
+    from memfit.devices import resolve_device
+
+    TrainConfig(device="1080ti").validate()
+    TrainConfig(device="a100-40gb").validate()  # an alias
+    with pytest.raises(ConfigError, match="'gtx970' is not one of: auto, cpu, cuda, or a GPU profile"):
+        TrainConfig(device="gtx970").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--device 1080ti: no CUDA device"):
+            resolve_device("1080ti")
