@@ -100,3 +100,12 @@ def test_fused_attention_saves_a_log_sum_exp_not_the_scores() -> None:
     assert (2, 4, 96) in shapes  # log-sum-exp, padded to a multiple of 32 (96 already is)
     assert (2, 4, 96, 96) not in shapes  # no S x S probabilities, no dropout mask
     assert query.grad is not None and query.grad.shape == query.shape
+
+
+def test_fused_attention_counts_its_flops_forward_and_backward() -> None:
+    query, key, value = (torch.zeros(2, 2, 4, 8, requires_grad=True) for _ in range(3))  # (B, H, S, D)
+    with CudaEmulation((6, 1)) as emulation:  # memory-efficient kernel: no FLOPs visible to the tracker
+        output = F.scaled_dot_product_attention(query, key, value)
+        assert emulation.attention_flops == 4 * 2 * 2 * 4 * 4 * 8  # QK^T and PV
+        output.sum().backward()
+    assert emulation.attention_flops == 14 * 2 * 2 * 4 * 4 * 8  # + recomputed QK^T and four gradient matmuls

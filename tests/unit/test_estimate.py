@@ -9,7 +9,7 @@ import pytest
 
 from memfit import TrainConfig
 from memfit.errors import ConfigError
-from memfit.memory.estimate import CATEGORIES, estimate
+from memfit.memory.estimate import CATEGORIES, Estimate, estimate
 from tests.conftest import TINY_BERT, TINY_GPT2, TINY_VIT, build_tiny_bert, write_model_dir
 
 ARCHITECTURES = {"bert": {**TINY_BERT, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
@@ -102,3 +102,16 @@ def test_bad_estimate_inputs_are_reported_together(tmp_path: Path) -> None:
         estimate(TrainConfig(), device="gtx480")
     with pytest.raises(ConfigError, match="does not divide into 16x16 patches"):
         estimate(TrainConfig(model="vit-base"), device="cpu", image_size=100)
+
+
+def test_counting_flops_leaves_the_peak_alone_and_sees_the_recompute(tiny_bert: Path) -> None:
+    def traced(checkpointing: str, count_flops: bool) -> Estimate:
+        config = TrainConfig(model=str(tiny_bert), max_length=32, micro_batch_size=4, effective_batch=8,
+                             checkpointing=checkpointing, precision="fp32")
+        return estimate(config, device="1080ti", count_flops=count_flops)
+
+    plain, counted = traced("full", False), traced("full", True)
+    assert counted.peak_bytes == plain.peak_bytes and plain.flops is None
+    none = traced("none", True)
+    assert none.flops is not None and counted.flops is not None
+    assert none.flops < counted.flops < 2 * none.flops  # checkpointing re-runs the forward: ~1/3 more
