@@ -206,6 +206,12 @@ class TrainConfig:
         problems.raise_if_any(ConfigError)
 
     @property
+    def plans(self) -> bool:
+        """Whether the planner chooses this run's split and techniques (``budget``, ``plan`` or a GPU profile
+        as ``device``)."""
+        return self.budget is not None or self.plan is not None or self.device not in DEVICES
+
+    @property
     def emulate_budget_bytes(self) -> int | None:
         if self.emulate_budget is None:
             return None

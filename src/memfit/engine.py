@@ -242,7 +242,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
 def prepare_planned(config: TrainConfig, console: Console) -> tuple[Prepared, Plan | None]:
     """The validated run; with ``--budget``/``--plan``, of the config the planner chose."""
     prepared = prepare(config)
-    if config.budget is None and config.plan is None and config.device in ("auto", "cpu", "cuda"):
+    if not config.plans:
         return prepared, None
     planned, plan = plan_for_run(prepared, console)
     return prepare(planned), plan

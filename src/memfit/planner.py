@@ -49,11 +49,10 @@ from typing import Any
 from rich.console import Console
 
 from memfit.build import Prepared
-from memfit.config import TrainConfig, from_mapping
+from memfit.config import DEVICES, TrainConfig, from_mapping
 from memfit.devices import DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.estimate import Estimate, estimate, prepare_trace
-from memfit.models import resolve_model
 from memfit.report import format_bytes
 from memfit.techniques.optim import optimizer_problems
 
@@ -230,8 +229,8 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
             console.print(f"[yellow]note:[/] {config.plan} was planned for {made.device_description}; this run "
                           f"is on {prepared.device.describe()}")
     else:
-        target = resolve_profile(config.device) if config.device not in ("auto", "cpu", "cuda") else \
-            profile_for(prepared.device)
+        named = config.device not in DEVICES  # --device 1080ti: plan for that card
+        target = resolve_profile(config.device) if named else profile_for(prepared.device)
         made = plan(config, device=target, budget=config.budget, seq_len=config.max_length,
                     num_labels=len(prepared.label_names),
                     precisions=None if config.precision == "auto" else (config.precision,))
@@ -508,8 +507,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                          "file with fp32_flops (and fp16_flops/bf16_flops) as --device")
     problems.raise_if_any(ConfigError)
     assert profile is not None and budget_bytes is not None
-    prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # every input error now
-    spec = resolve_model(base.model)
+    spec = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1).spec  # errors now
     usable = int(budget_bytes * (1 - margin))
     search = _Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache)
