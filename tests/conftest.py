@@ -69,6 +69,24 @@ def write_reviews(path: Path, count: int = 96, seed: int = 0) -> Path:
     return path
 
 
+def write_long_text_task(root: Path) -> tuple[Path, Path]:
+    """A small-vocabulary BERT (activations dominate its memory) and 48 texts at or just under 32 tokens, so
+    each micro-batch is full width with some padding: the batch the estimator and the planner assume."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *FILLER, *WORDS_GOOD, *WORDS_BAD]
+    model = write_model_dir(root / "model", {**TINY_BERT, "vocab_size": len(vocab), "num_hidden_layers": 2})
+    (model / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    data = root / "long.csv"
+    rng = random.Random(0)
+    with data.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["review", "sentiment"])
+        for index in range(48):
+            words = rng.choices(FILLER, k=40 if index % 4 < 2 else 28)  # 32 tokens after truncation, or 30
+            words.insert(rng.randrange(8), rng.choice(WORDS_GOOD if index % 2 == 0 else WORDS_BAD))
+            writer.writerow([" ".join(words), "pos" if index % 2 == 0 else "neg"])
+    return model, data
+
+
 @pytest.fixture
 def reviews_csv(tmp_path: Path) -> Path:
     return write_reviews(tmp_path / "reviews.csv")

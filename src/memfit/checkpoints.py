@@ -135,7 +135,7 @@ def check_architecture(checkpoint: Checkpoint, model: torch.nn.Module, model_opt
                               "trained with, or start a fresh run in a new --output-dir")
 
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "model", DIRECTORY)
+RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "memory_timeline.json", "model", DIRECTORY)
 
 
 def resume_checkpoint(output_dir: Path, *, resume: str | None, overwrite: bool) -> Checkpoint | None:

@@ -99,6 +99,8 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
                                  help="continue from the newest checkpoint in --output-dir, or from PATH")
         reliability.add_argument("--overwrite", action="store_true", default=None,
                                  help="replace the run in an existing --output-dir")
+        reliability.add_argument("--memory-timeline", action="store_true", default=None,
+                                 help="record memory at every allocation of step 2 into memory_timeline.json")
         reliability.add_argument("--quantize", action="store_true", help="int8-quantize the model at the end "
                                                                          "and report (memfit quantize)")
     where = parser.add_argument_group("device and output")
@@ -147,6 +149,58 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--top", type=int, default=12, help="candidate rows to print [12]")
     out.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     out.add_argument("--save", metavar="PLAN_JSON", help="write the plan for memfit train --plan")
+
+
+def add_bench_options(parser: argparse.ArgumentParser) -> None:
+    from memfit.bench import QUICK, SETUPS, BenchConfig
+
+    defaults = BenchConfig()
+    what = parser.add_argument_group("what to train (the same for every setup)")
+    what.add_argument("--model", default=defaults.model, help=f"preset or local HF model directory "
+                                                              f"[{defaults.model}]")
+    what.add_argument("--data", default=defaults.data, help=f"built-in dataset, .csv/.jsonl, or image folder "
+                                                            f"[{defaults.data}]")
+    _column_options(parser)
+    what.add_argument("--max-length", type=int, default=defaults.max_length, help=f"[{defaults.max_length}]")
+    what.add_argument("--effective-batch", type=int, default=defaults.effective_batch,
+                      help=f"samples per optimizer step, every setup [{defaults.effective_batch}]")
+    what.add_argument("--samples", type=int, help="training samples per setup [the whole training split]")
+    what.add_argument("--val-samples", type=int, help="validation samples [the whole validation split]")
+    what.add_argument("--epochs", type=int, default=defaults.epochs, help=f"[{defaults.epochs}]")
+    what.add_argument("--lr", type=float, default=defaults.lr, help=f"[{defaults.lr:g}]")
+    what.add_argument("--seed", type=int, default=defaults.seed, help=f"[{defaults.seed}]")
+    budget = parser.add_argument_group("the memory budget [the device's memory]")
+    budget.add_argument("--device-profile", metavar="GPU", help="run here with that card's memory as the budget "
+                                                                "(e.g. 1080ti: 11 GiB)")
+    budget.add_argument("--emulate-budget", metavar="SIZE", help="run here with SIZE of memory, e.g. 400MiB")
+    budget.add_argument("--margin", type=_fraction, default=defaults.margin, help="headroom kept free [5%%]")
+    out = parser.add_argument_group("matrix and output")
+    out.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="[all]")
+    out.add_argument("--quick", action="store_true", help=f"small matrix: {QUICK['samples']} training and "
+                                                          f"{QUICK['val_samples']} validation samples unless "
+                                                          "given (minutes on a CPU)")
+    out.add_argument("--speed-rounds", type=int, help="interleaved timing rounds after the runs, so machine "
+                                                      "drift hits every setup alike [2; 0 with --quick]")
+    out.add_argument("--speed-steps", type=int, default=defaults.speed_steps,
+                     help=f"timed steps per setup and round [{defaults.speed_steps}]")
+    out.add_argument("--output-dir", default=defaults.output_dir, help=f"[{defaults.output_dir}]")
+    out.add_argument("--json", action="store_true", help="print bench.json's content on stdout")
+
+
+def run_bench_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from memfit.bench import BenchConfig, markdown, run_bench
+
+    config = BenchConfig(model=args.model, data=args.data, max_length=args.max_length,
+                         effective_batch=args.effective_batch, samples=args.samples, val_samples=args.val_samples,
+                         epochs=args.epochs, lr=args.lr, seed=args.seed, device_profile=args.device_profile,
+                         emulate_budget=args.emulate_budget, margin=args.margin, setups=tuple(args.setups),
+                         output_dir=args.output_dir, quick=args.quick, speed_rounds=args.speed_rounds,
+                         speed_steps=args.speed_steps, **_columns(args))
+    words = list(sys.argv[1:] if argv is None else argv)
+    result = run_bench(config, command=" ".join(["memfit", *words]),
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(result.to_dict()) if args.json else markdown(result), end="\n" if args.json else "")
+    return 0
 
 
 def _fraction(text: str) -> float:
@@ -257,6 +311,9 @@ def build_parser() -> Parser:
     planner = commands.add_parser("plan", help="the fastest setup that fits a memory budget at a fixed "
                                                "effective batch")
     add_plan_options(planner)
+    bench = commands.add_parser("bench", help="measure memory, speed and accuracy of the memory-saving setups "
+                                              "(and memfit's plan) on this machine")
+    add_bench_options(bench)
     commands.add_parser("models", help="list the model presets")
     commands.add_parser("devices", help="list the device profiles")
     return parser
@@ -297,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "bench":
+            return run_bench_command(args, argv)
         if args.command in ("quantize", "eval"):
             from memfit import quantize as quantization
 

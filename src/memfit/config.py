@@ -127,6 +127,9 @@ class TrainConfig:
     resume: str | None = None
     """``latest`` (the newest complete checkpoint of the output dir; a fresh start when there is none) or a
     checkpoint directory."""
+    memory_timeline: bool = False
+    """Record the live memory after every allocation and free during optimizer step 2 (step 1 for a one-step
+    run), each labelled forward/backward/optimizer, into ``memory_timeline.json``."""
     overwrite: bool = False
     """Allow a fresh run into an output dir that already holds a run (its run files are replaced)."""
 

@@ -124,6 +124,23 @@ def _gpu(name: str, description: str, memory_gib: float, capability: tuple[int, 
                          non_pytorch_bytes=CUDA_CONTEXT_BYTES)
 
 
+CPU_FP32 = 0.3 * TERA
+"""With the planner's 50 % efficiency, ~150 GFLOP/s: fitted, with :data:`CPU_OP_OVERHEAD_S` and the bf16
+factor, to the step times of ``memfit bench`` on 2 AVX512-BF16 cores (MiniLM on Rotten Tomatoes and a small
+ViT on Fashion-MNIST, benchmarks/results/bench_*_cpu). Other CPUs differ; only the ratios matter to a plan."""
+CPU_OP_OVERHEAD_S = 12e-6
+
+
+def _cpu_bf16_flops() -> float:
+    """bf16 matmul rate of this CPU: 1.3x fp32 where oneDNN has native bf16 dot products (AVX512-BF16, AMX;
+    the fit above), else half (bf16 through conversions)."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return CPU_FP32 * (1.3 if native else 0.5)
+
+
 PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
     _gpu("1080ti", "NVIDIA GeForce GTX 1080 Ti", 11, (6, 1), 11.3, 11.3, 0, 484, False),
     _gpu("2080ti", "NVIDIA GeForce RTX 2080 Ti", 11, (7, 5), 13.4, 53.8, 0, 616, True),
@@ -138,9 +155,9 @@ PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
     _gpu("l4", "NVIDIA L4", 22, (8, 9), 30.3, 121, 121, 300, True),
     _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True),
     _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True),
-    DeviceProfile(name="cpu", description="host CPU", memory_bytes=0, compute_capability=None, fp32_flops=0.1 * TERA,
-                  fp16_flops=0.005 * TERA, bf16_flops=0.1 * TERA, memory_bandwidth=20e9, tensor_cores=False,
-                  op_overhead_s=2e-6),
+    DeviceProfile(name="cpu", description="host CPU", memory_bytes=0, compute_capability=None, fp32_flops=CPU_FP32,
+                  fp16_flops=0.005 * TERA, bf16_flops=_cpu_bf16_flops(), memory_bandwidth=20e9, tensor_cores=False,
+                  op_overhead_s=CPU_OP_OVERHEAD_S),
 )}
 
 

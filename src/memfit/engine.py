@@ -26,7 +26,7 @@ from memfit.build import Prepared, build_model_for, build_optimizer_for, prepare
 from memfit.config import TrainConfig
 from memfit.data.batches import Encoder, cut, window_order
 from memfit.errors import CheckpointError, Interrupted, TrainingError
-from memfit.memory.monitor import PHASES, Monitor
+from memfit.memory.monitor import PHASES, Monitor, StepTimeline
 from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
 from memfit.planner import Plan, plan_for_run
@@ -54,6 +54,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
 
     budget = config.emulate_budget_bytes
     with Monitor.for_device(device.type, budget_bytes=budget) as monitor:
+        timeline = StepTimeline(monitor, output_dir / "memory_timeline.json",
+                                step=min(2, total_steps) if config.memory_timeline else None)
         model = build_model_for(prepared)  # freeze -> checkpointing
         trainable, total = count_parameters(model)
         if checkpoint is not None:  # refused before anything in the output dir changes
@@ -144,6 +146,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                         if stop.requested():  # a signal between two windows (or during an evaluation)
                             raise stopped(save())
                         window = order[run.offset:run.offset + config.effective_batch]
+                        timeline.start_before(run.step + 1)
                         window_started = time.perf_counter()
                         recorded = len(recovery.events)
                         try:  # the same samples until they fit: an OOM restarts the window, smaller if needed
@@ -177,7 +180,9 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                         else:
                             record_skip(run, check, handled_by_scaler=scaler is not None and loss_finite,
                                         reporter=reporter, max_nonfinite_steps=config.max_nonfinite_steps)
-                        run.train_seconds += time.perf_counter() - window_started
+                        window_seconds = time.perf_counter() - window_started
+                        run.train_seconds += window_seconds
+                        timeline.save_after(run.step)
                         run.samples_seen += len(window)
                         memory = monitor.snapshot()
                         lr = float(scheduler.get_last_lr()[0])
@@ -191,6 +196,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                                 "type": "train", "step": run.step, "epoch": epoch, "loss": run.last_loss,
                                 "lr": lr, "grad_norm": norm_value,
                                 "samples_per_second": run.samples_seen / run.train_seconds,
+                                "step_seconds": window_seconds, "window_samples": len(window),
                                 "memory_bytes": memory.current_bytes, "peak_memory_bytes": memory.peak_bytes,
                                 "rss_bytes": memory.rss_bytes})
                             run.logged_loss, run.logged_items = 0.0, 0

@@ -162,6 +162,12 @@ CASES: dict[str, tuple[Setup, str]] = {
                             "is not a known device"),
     "plan-bad-margin": (lambda w: ["plan", "--model", str(w / "bert"), "--margin", "80%"],
                         "must be between 0 and 50%"),
+    "bench-profile-and-budget": (lambda w: ["bench", "--model", str(w / "bert"), "--device-profile", "1080ti",
+                                            "--emulate-budget", "1GiB"], "give either --device-profile"),
+    "bench-cpu-profile": (lambda w: ["bench", "--model", str(w / "bert"), "--device-profile", "cpu"],
+                          "not a GPU profile"),
+    "bench-unknown-setup": (lambda w: ["bench", "--model", str(w / "bert"), "--setups", "fp8"],
+                            "invalid choice: 'fp8'"),
 }
 
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from memfit.config import TrainConfig
 from memfit.memory.estimate import estimate
-from tests.conftest import FILLER, TINY_BERT, WORDS_BAD, WORDS_GOOD, write_model_dir
+from tests.conftest import write_long_text_task
 from tests.integration.test_cli import memfit
 
 PLAN_KEYS = {"chosen", "candidates", "budget_bytes", "device"}
@@ -22,22 +20,7 @@ TRAINING_PHASES = ("forward", "backward", "optimizer")
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A small-vocabulary BERT (activations dominate its memory) and texts at or just under --max-length, so
-    each micro-batch is full width with some padding: the batch the planner plans for."""
-    root = tmp_path_factory.mktemp("plan-task")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *FILLER, *WORDS_GOOD, *WORDS_BAD]
-    model = write_model_dir(root / "model", {**TINY_BERT, "vocab_size": len(vocab), "num_hidden_layers": 2})
-    (model / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    data = root / "long.csv"
-    rng = random.Random(0)
-    with data.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(["review", "sentiment"])
-        for index in range(48):
-            words = rng.choices(FILLER, k=40 if index % 4 < 2 else 28)  # 32 tokens after truncation, or 30
-            words.insert(rng.randrange(8), rng.choice(WORDS_GOOD if index % 2 == 0 else WORDS_BAD))
-            writer.writerow([" ".join(words), "pos" if index % 2 == 0 else "neg"])
-    return model, data
+    return write_long_text_task(tmp_path_factory.mktemp("plan-task"))
 
 
 def train_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:

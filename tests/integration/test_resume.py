@@ -27,7 +27,7 @@ from memfit.cli import main
 from tests.conftest import TINY_BERT, load_weights, write_model_dir
 
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
-TIMING = ("samples_per_second", "memory_bytes", "peak_memory_bytes", "rss_bytes")
+TIMING = ("samples_per_second", "step_seconds", "memory_bytes", "peak_memory_bytes", "rss_bytes")
 VARIANTS = {  # name: (extra options, interruption, expected exit code of the interrupted process)
     "accumulation": ([], "kill:7", -signal.SIGKILL),
     "frozen": (["--freeze-embeddings", "--train-top-layers", "1"], "kill:9", -signal.SIGKILL),

@@ -13,15 +13,24 @@ Use it from your own loop::
         with monitor.phase("forward"):
             loss = model(batch).loss
     monitor.snapshot().peak_bytes
+
+The memory timeline of one step (``memfit train --memory-timeline``): :meth:`Monitor.start_timeline` before
+it, :meth:`Monitor.stop_timeline` after it gives the live bytes after every allocation and free, each
+labelled with its phase. CPU: from the storage tracker. CUDA: from the allocator's own history
+(``torch.cuda.memory._record_memory_history``), whose alloc/free events are replayed from the allocated
+bytes at the start; phase boundaries are the history's length when each phase starts and ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import psutil
 import torch
@@ -29,6 +38,9 @@ import torch
 from memfit.memory.tracker import StorageTracker
 
 PHASES = ("forward", "backward", "optimizer")
+TIMELINE_POINTS = 4000
+"""A recorded timeline is reduced to at most this many points, each the highest of its stretch."""
+_HISTORY_ENTRIES = 2_000_000
 _active: list[Monitor] = []
 
 
@@ -56,6 +68,8 @@ class Monitor:
         self._cuda_peak = 0
         self._cuda_phase_peaks: dict[str, int] = {}
         self._process = psutil.Process()
+        self._cuda_timeline: tuple[int, list[tuple[int, str | None]]] | None = None
+        """While a CUDA timeline records: (allocated bytes at its start, [(history length, phase now)])."""
 
     @classmethod
     def for_device(cls, device_type: str, *, budget_bytes: int | None = None) -> Monitor:
@@ -96,12 +110,44 @@ class Monitor:
                 yield
             return
         torch.cuda.reset_peak_memory_stats()
+        self._mark_cuda_phase(name)
         try:
             yield
         finally:
+            self._mark_cuda_phase(None)
             peak = torch.cuda.max_memory_allocated()
             self._cuda_phase_peaks[name] = max(self._cuda_phase_peaks.get(name, 0), peak)
             self._cuda_peak = max(self._cuda_peak, peak)
+
+    def start_timeline(self) -> None:
+        """Record every allocation and free from now on, until :meth:`stop_timeline`."""
+        if self.tracker is not None:
+            self.tracker.timeline = []
+            return
+        torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=_HISTORY_ENTRIES)
+        self._cuda_timeline = (torch.cuda.memory_allocated(), [(0, None)])
+
+    @property
+    def recording_timeline(self) -> bool:
+        return (self.tracker.timeline is not None) if self.tracker is not None else self._cuda_timeline is not None
+
+    def stop_timeline(self) -> dict[str, Any]:
+        """The recorded timeline: ``bytes`` (live bytes after each event), ``phases`` (``name``, ``start``,
+        ``end`` point indices, end exclusive), ``peak_bytes``; reduced to :data:`TIMELINE_POINTS` points."""
+        if self.tracker is not None:
+            events = self.tracker.timeline or []
+            self.tracker.timeline = None
+        else:
+            assert self._cuda_timeline is not None, "start_timeline() first"
+            start_bytes, marks = self._cuda_timeline
+            self._cuda_timeline = None
+            events = _replay_history(_cuda_history(), start_bytes, marks)
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return timeline_record(events)
+
+    def _mark_cuda_phase(self, name: str | None) -> None:
+        if self._cuda_timeline is not None:
+            self._cuda_timeline[1].append((len(_cuda_history()), name))
 
     def snapshot(self) -> MemorySnapshot:
         if self.tracker is not None:
@@ -135,3 +181,60 @@ def snapshot(device_type: str | None = None) -> MemorySnapshot:
                               reserved_bytes=torch.cuda.memory_reserved())
     rss = psutil.Process().memory_info().rss
     return MemorySnapshot(current_bytes=rss, peak_bytes=rss, rss_bytes=rss)
+
+
+class StepTimeline:
+    """Records the memory timeline of optimizer step ``step`` (``None``: none) into ``path`` as JSON."""
+
+    def __init__(self, monitor: Monitor, path: Path, *, step: int | None) -> None:
+        self.monitor, self.path, self.step = monitor, path, step
+
+    def start_before(self, step: int) -> None:
+        if step == self.step:
+            self.monitor.start_timeline()
+
+    def save_after(self, step: int) -> None:
+        if self.monitor.recording_timeline:
+            record = {"step": step, "device": self.monitor.device_type, **self.monitor.stop_timeline()}
+            self.path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+
+
+def _cuda_history() -> list[dict[str, Any]]:
+    traces = torch.cuda.memory._snapshot()["device_traces"]
+    return list(traces[torch.cuda.current_device()]) if traces else []
+
+
+def _replay_history(history: list[dict[str, Any]], start_bytes: int,
+                    marks: list[tuple[int, str | None]]) -> list[tuple[int, str | None]]:
+    """Allocated bytes after each alloc/free of the CUDA allocator's history, with the phase it fell in."""
+    events: list[tuple[int, str | None]] = []
+    live, mark, phase = start_bytes, 0, None
+    for index, entry in enumerate(history):
+        while mark < len(marks) and marks[mark][0] <= index:
+            phase = marks[mark][1]
+            mark += 1
+        if entry["action"] == "alloc":
+            live += entry["size"]
+        elif entry["action"] == "free_completed":
+            live -= entry["size"]
+        else:
+            continue
+        events.append((live, phase))
+    return events
+
+
+def timeline_record(events: list[tuple[int, str | None]], *, points: int = TIMELINE_POINTS) -> dict[str, Any]:
+    """``events`` ((live bytes, phase) in order) as a JSON-ready timeline of at most ``points`` points: each
+    point is the highest of its stretch of events, so the peak survives the reduction."""
+    stride = max(1, -(-len(events) // points))
+    reduced = [max(events[start:start + stride], key=lambda event: event[0])
+               for start in range(0, len(events), stride)]
+    phases: list[dict[str, Any]] = []
+    for index, (_, phase) in enumerate(reduced):
+        name = phase or "other"
+        if phases and phases[-1]["name"] == name:
+            phases[-1]["end"] = index + 1
+        else:
+            phases.append({"name": name, "start": index, "end": index + 1})
+    return {"bytes": [value for value, _ in reduced], "phases": phases, "events": len(events),
+            "peak_bytes": max((value for value, _ in events), default=0)}

@@ -20,6 +20,9 @@ the forward's short-lived temporaries), and anything else made during a phase is
 raises ``torch.OutOfMemoryError`` at the real point of the step, with the real allocation pattern, as
 CUDA's allocator would (``memfit train --emulate-budget``).
 
+With ``timeline`` set to a list, every allocation and free appends (live bytes, phase): the memory timeline
+of a step (:meth:`memfit.memory.monitor.Monitor.start_timeline`).
+
 Overhead: one Python call per op, a few microseconds; negligible next to a transformer layer's matmuls.
 """
 
@@ -67,6 +70,8 @@ class StorageTracker(TorchDispatchMode):
         self._categories: dict[int, str] = {}
         self.category_bytes: dict[str, int] = {}
         self.peak_breakdown: dict[str, int] = {}
+        self.timeline: list[tuple[int, str | None]] | None = None
+        """When a list: (live bytes, phase) after every allocation and free (:meth:`Monitor.start_timeline`)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -129,6 +134,8 @@ class StorageTracker(TorchDispatchMode):
 
     def _grow(self, nbytes: int) -> None:
         self.live_bytes += nbytes
+        if self.timeline is not None:
+            self.timeline.append((self.live_bytes, self._phase))
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_breakdown = dict(self.category_bytes)
@@ -143,6 +150,8 @@ class StorageTracker(TorchDispatchMode):
             self.allocator.free(key)
         self.live_bytes -= nbytes
         self.category_bytes[self._categories.pop(key)] -= nbytes
+        if self.timeline is not None:
+            self.timeline.append((self.live_bytes, self._phase))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
