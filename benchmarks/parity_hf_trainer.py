@@ -79,7 +79,9 @@ def trainer_run(config: TrainConfig, prepared: Prepared, directory: str, optim: 
         warmup_steps=int(math.ceil(len(dataset) / config.effective_batch) * config.warmup_ratio),
         max_grad_norm=config.max_grad_norm or 0.0, num_train_epochs=config.epochs, seed=config.seed,
         use_cpu=True, save_strategy="no", eval_strategy="no", logging_steps=10_000, report_to="none",
-        disable_tqdm=True, dataloader_num_workers=0, **({"optim": optim} if optim else {}))
+        disable_tqdm=True, dataloader_num_workers=0)
+    if optim:  # another AdamW implementation than the Trainer's default
+        arguments = dataclasses.replace(arguments, optim=optim)
     times = StepTimes()
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=dataset,
                                    data_collator=transformers.DataCollatorWithPadding(tokenizer),
