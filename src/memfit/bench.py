@@ -156,7 +156,6 @@ class BenchResult:
     budget_bytes: int
     budget_source: str
     timelines: dict[str, dict[str, Any]] = field(default_factory=dict)
-    output_dir: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         neutral = [row for row in self.rows if row["accuracy_neutral"] and row["key"] != "fp32"
@@ -192,22 +191,26 @@ def run_bench(config: BenchConfig, *, command: str = "", log: Callable[[str], No
     rows: list[dict[str, Any]] = []
     timelines: dict[str, dict[str, Any]] = {}
     for setup in setups:
-        run_dir = output / "runs" / setup.key
         if setup.key == "int8":
-            rows.append(_int8_row(setup, output / "runs" / "fp32", run_dir, log))
+            rows.append(_int8_row(setup, setup_dir(output, "fp32"), setup_dir(output, "int8"), log))
             continue
-        row = _run_row(setup, run_dir, log)
+        row = _run_row(setup, setup_dir(output, setup.key), log)
         rows.append(row)
-        timeline = run_dir / "memory_timeline.json"
+        timeline = setup_dir(output, setup.key) / "memory_timeline.json"
         if row["error"] is None and timeline.is_file():
             timelines[setup.name] = json.loads(timeline.read_text())
     speed_rounds(setups, rows, rounds=config.resolved_speed_rounds, steps=config.speed_steps, log=log)
     _compare(rows)
     result = BenchResult(rows=rows, machine=machine(prepared), command=command, budget_bytes=budget,
-                         budget_source=source, timelines=timelines, output_dir=str(output))
+                         budget_source=source, timelines=timelines)
     write_outputs(result, output)
     log(f"bench done in {time.perf_counter() - started:.0f} s: {output / 'bench.md'}")
     return result
+
+
+def setup_dir(output: Path, key: str) -> Path:
+    """Where setup ``key`` of a bench in ``output`` trains (and its speed rounds, below it)."""
+    return output / "runs" / key
 
 
 def _budget(config: BenchConfig, prepared: Prepared) -> tuple[int, str]:
@@ -265,7 +268,7 @@ def _setups(config: BenchConfig, base: TrainConfig, prepared: Prepared, profile:
         else:
             made.append(_plan_setup(config, base, prepared, profile, budget, log))
     return [dataclasses.replace(setup, config=dataclasses.replace(
-        setup.config, output_dir=str(Path(config.output_dir) / "runs" / setup.key)))
+        setup.config, output_dir=str(setup_dir(Path(config.output_dir), setup.key))))
         if setup.config is not None else setup for setup in made]
 
 
