@@ -15,6 +15,13 @@ run inside an accumulation window) holding:
   model's architecture;
 - ``COMPLETE.json``, written last: the size and SHA-256 of every other file.
 
+A distributed run (:mod:`memfit.distributed`) saves with ``torch.distributed.checkpoint`` instead: ``dcp/``
+holds the model and optimizer state, each rank writing its own shards (FSDP) or rank 0 the replicated
+tensors (DDP), ``rng-<rank>.pt`` each rank's random state, and rank 0 writes the rest and the marker once
+every rank has finished. Such a checkpoint resumes under any number of ranks and either strategy: the
+loader reshards (the windows are global, so the data position carries over exactly; only the random streams
+of ranks that did not exist restart). It needs a filesystem every rank sees (one machine, or a shared one).
+
 Writing is atomic: everything goes to a hidden temporary directory, each file is fsynced, the marker is
 written last, then the directory is renamed into place and its parent fsynced. A directory without the
 marker, or whose files do not match it, is never resumed from; a run killed mid-save leaves the previous
@@ -51,6 +58,7 @@ DIRECTORY = "checkpoints"
 WEIGHTS = "model.safetensors"
 GRADS = "grads.safetensors"
 STATE = "state.pt"
+SHARDED = "dcp"
 PROGRESS = "progress.json"
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -97,6 +105,27 @@ class Checkpoint:
     state: dict[str, Any]
     weights: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
+    world_size: int = 1
+    """Ranks of the run that wrote it."""
+
+    @property
+    def sharded(self) -> bool:
+        """Written by a distributed run: model and optimizer state are in ``dcp/``."""
+        return (self.path / SHARDED).is_dir()
+
+    def rank_rng(self, rank: int) -> dict[str, Any] | None:
+        """The random state rank ``rank`` saved (``None`` when the saving run had fewer ranks)."""
+        file = self.path / f"rng-{rank}.pt"
+        return torch.load(file, weights_only=True) if file.is_file() else None
+
+    def load_sharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Load model and optimizer state into the (wrapped) model of any number of ranks, resharding."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(self.path / SHARDED))
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy the saved weights into ``model`` (whose architecture :func:`check_architecture` accepted).
@@ -119,6 +148,16 @@ def architecture(model: torch.nn.Module) -> dict[str, Any]:
     shapes = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
     return {"class": type(model).__name__, "tensors": shapes,
             "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def format_mismatch(checkpoint: Checkpoint) -> str:
+    """Why a checkpoint cannot resume in this kind of run (single-process vs distributed)."""
+    if checkpoint.sharded:
+        return (f"--resume {checkpoint.path}: it was written by a distributed run ({checkpoint.world_size} ranks, "
+                f"{checkpoint.config.get('distributed')}); resume it with --distributed ddp or fsdp (under torchrun "
+                "for more than one rank)")
+    return (f"--resume {checkpoint.path}: it was written by a single-process run; resume it without --distributed "
+            "(or start the distributed run in a new --output-dir)")
 
 
 def describe_architecture(arch: dict[str, Any]) -> str:
@@ -176,13 +215,58 @@ def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], pro
     payload = {"format": FORMAT, "progress": dataclasses.asdict(progress), "config": config,
                "architecture": architecture(model)}
     (temporary / PROGRESS).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    _complete(temporary, final)
+    _prune(root, keep_last=keep_last, keep=final)
+    return final
+
+
+def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 state: dict[str, Any], progress: Progress, config: dict[str, Any], model_architecture: dict[str, Any],
+                 keep_last: int, rank: int, world_size: int, rng: dict[str, Any]) -> Path:
+    """A distributed run's checkpoint, written by every rank together (a collective); returns its path.
+
+    ``state`` holds what every rank has alike (scheduler, scaler, data order); rank 0 writes it.
+    ``model_architecture`` is :func:`architecture` of the model before it was wrapped.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as save_shards
+
+    root = output_dir / DIRECTORY
+    name = f"step-{progress.step:08d}"
+    final = root / name
+    temporary = root / f".tmp-{name}-sharded"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    save_shards({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(temporary / SHARDED))
+    torch.save(rng, temporary / f"rng-{rank}.pt")
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        torch.save(state, temporary / STATE)
+        payload = {"format": FORMAT, "progress": dataclasses.asdict(progress), "config": config,
+                   "architecture": model_architecture, "world_size": world_size}
+        (temporary / PROGRESS).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        _complete(temporary, final)
+        _prune(root, keep_last=keep_last, keep=final)
+    dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
+    return final
+
+
+def _complete(temporary: Path, final: Path) -> None:
+    """Checksum every file into the marker, written last, then move the directory into place atomically."""
     files = {}
-    for file in sorted(temporary.iterdir()):
+    for file in sorted(path for path in temporary.rglob("*") if path.is_file()):
         _fsync(file)
-        files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        files[str(file.relative_to(temporary))] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
     (temporary / MARKER).write_text(json.dumps({"format": FORMAT, "files": files}, indent=1) + "\n")
     _fsync(temporary / MARKER)
-    _fsync(temporary)
+    for directory in sorted({path.parent for path in temporary.rglob("*")}, reverse=True):
+        _fsync(directory)
+    root, name = final.parent, final.name
     if final.exists():  # the same step saved twice (periodic + final): swap, never leave a gap
         stale = root / f".old-{name}-{os.getpid()}"
         final.rename(stale)
@@ -191,8 +275,6 @@ def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], pro
     else:
         temporary.rename(final)
     _fsync(root)
-    _prune(root, keep_last=keep_last, keep=final)
-    return final
 
 
 def _prune(root: Path, *, keep_last: int, keep: Path) -> None:
@@ -263,9 +345,12 @@ def load(path: Path) -> Checkpoint:
     except Exception as error:  # checksum matched, so this is a file memfit did not write
         raise CheckpointError(f"{path / STATE}: cannot be read ({str(error).splitlines()[0]}); delete {path} and "
                               "resume from an earlier checkpoint") from None
+    sharded = (path / SHARDED).is_dir()
     return Checkpoint(path=path, progress=Progress(**payload["progress"]), config=payload["config"],
-                      architecture=payload["architecture"], state=state, weights=load_file(str(path / WEIGHTS)),
-                      grads=load_file(str(path / GRADS)) if (path / GRADS).is_file() else {})
+                      architecture=payload["architecture"], state=state,
+                      weights={} if sharded else load_file(str(path / WEIGHTS)),
+                      grads=load_file(str(path / GRADS)) if (path / GRADS).is_file() else {},
+                      world_size=int(payload.get("world_size", 1)))
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -280,7 +365,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     name, keys, position, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(position),
+        "numpy": {"name": name, "keys": np.asarray(keys).tolist(), "pos": int(position),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state()}
     if device.type == "cuda":
@@ -292,7 +377,9 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy = state["numpy"]
-    np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"], numpy["has_gauss"],
+    keys = numpy["keys"]  # a list of ints (a tensor in checkpoints of earlier versions)
+    np.random.set_state((numpy["name"], np.asarray(keys.tolist() if isinstance(keys, torch.Tensor) else keys,
+                                                   dtype=np.uint32), numpy["pos"], numpy["has_gauss"],
                          numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and device.type == "cuda":

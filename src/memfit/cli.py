@@ -13,7 +13,16 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from memfit.config import CHECKPOINTING, DEVICES, OPTIMIZERS, PRECISIONS, TrainConfig, from_mapping, load_config_file
+from memfit.config import (
+    CHECKPOINTING,
+    DEVICES,
+    DISTRIBUTED,
+    OPTIMIZERS,
+    PRECISIONS,
+    TrainConfig,
+    from_mapping,
+    load_config_file,
+)
 from memfit.data import BUILTIN
 from memfit.devices import PROFILES
 from memfit.errors import MemfitError
@@ -103,13 +112,21 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
                                  help="record memory at every allocation of step 2 into memory_timeline.json")
         reliability.add_argument("--quantize", action="store_true", help="int8-quantize the model at the end "
                                                                          "and report (memfit quantize)")
+    ranks = parser.add_argument_group("more than one GPU (launch training with torchrun --nproc-per-node N -m "
+                                      "memfit train ...); the effective batch is over all ranks")
+    ranks.add_argument("--distributed", choices=DISTRIBUTED,
+                       help="replicate (ddp), shard parameters, gradients and optimizer state (fsdp), or fsdp only "
+                            f"when a replica does not fit (auto) [{defaults.distributed}]")
+    if for_estimate:
+        ranks.add_argument("--world-size", type=int, help="ranks to estimate one rank's peak for [1]")
+    _bool_flag(ranks, "cpu-offload", "fsdp: keep parameter shards and the optimizer step on the host")
     where = parser.add_argument_group("device and output")
     if for_estimate:
         where.add_argument("--device", dest="profile", default="cpu",
                            help=f"target device profile ({', '.join(PROFILES)}) or a .toml/.json profile [cpu]")
         where.add_argument("--batch-size", type=int, help="micro-batch size to estimate (alias of "
-                                                          "--micro-batch-size; also the effective batch if "
-                                                          "that is not given)")
+                                                          "--micro-batch-size; also the effective batch, times "
+                                                          "--world-size, if that is not given)")
         where.add_argument("--seq-len", type=int, help="sequence length to estimate [--max-length]")
         where.add_argument("--image-size", type=int, help="image size to estimate [the model's]")
         where.add_argument("--steps", type=int, default=2, help="optimizer steps to trace [2]")
@@ -136,6 +153,11 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                                                            ".toml/.json profile file [1080ti]")
     budget.add_argument("--budget", metavar="SIZE", help="memory to fit, e.g. 11GiB or 8GB [the device's]")
     budget.add_argument("--margin", type=_fraction, default=0.05, help="headroom kept free, e.g. 5%% or 0.05 [5%%]")
+    budget.add_argument("--distributed", choices=("auto", "ddp", "fsdp"), help="with --gpus: the strategy to keep "
+                                                                          "[auto: the planner chooses]")
+    budget.add_argument("--gpus", type=int, help="plan one rank of N GPUs (the budget is each one's): also choose "
+                                                 "DDP, FSDP or FSDP with CPU offload; the effective batch is global "
+                                                 "[1]")
     allowed = parser.add_argument_group("what the plan may change (the effective batch never)")
     allowed.add_argument("--precision", choices=PRECISIONS, default="auto",
                          help="plan only this precision [auto: fp32 and the device's low precision]")
@@ -214,14 +236,15 @@ def run_plan(args: argparse.Namespace) -> int:
     from memfit.planner import plan
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer")
+    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer", "distributed")
              if getattr(args, name) is not None}
     if args.seq_len is not None:
         given["max_length"] = args.seq_len
     config = from_mapping({**values, **given})
     result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
                   margin=args.margin, allow_freeze=args.allow_freeze, allow_8bit_optimizer=args.allow_8bit_optimizer,
-                  precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels)
+                  precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels,
+                  gpus=args.gpus)
     if args.save:
         result.save(args.save)
     if args.json:
@@ -261,7 +284,9 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
             ("" if candidate.exact else "~") + format_bytes(candidate.predicted_peak_bytes))
         speed = f"{candidate.relative_speed:.2f}x" if candidate.relative_speed is not None else "-"
         optimizer = family.optimizer_label + ("" if family.freeze == "none" else f", freeze {family.freeze}")
-        table.add_row(str(rank), f"{candidate.micro_batch_size} x {candidate.accumulation_steps}", family.precision,
+        ranks = f"{family.strategy}: " if family.ranks else ""
+        table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
+                      family.precision,
                       family.checkpointing, optimizer, fits, peak, f"{candidate.predicted_samples_per_second:.1f}",
                       speed, candidate.reason)
     console.print(table)
@@ -327,7 +352,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     batch_size = given.pop("batch_size", None)
     if batch_size is not None:
         given["micro_batch_size"] = batch_size
-        given.setdefault("effective_batch", batch_size)
+        given.setdefault("effective_batch", batch_size * given.get("world_size", 1))  # per rank, no accumulation
     if given.get("max_grad_norm") == NO_CLIP:
         given["max_grad_norm"] = None
     return from_mapping({**values, **given})
@@ -369,10 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print_quantize(Console(), report)
             return 0
+        from memfit.distributed import launched_rank
         from memfit.engine import train
 
         console = Console(stderr=True) if args.json else Console()
         summary = train(config_from_args(args), console=console)
+        if launched_rank() != 0:  # under torchrun, rank 0 alone reports
+            return 0
         if args.quantize:
             from memfit import quantize as quantization
 
@@ -446,7 +474,9 @@ def print_estimate(console: Console, result: Any) -> None:
              else f"image {result.image_size}px")
     console.print(f"[bold]memfit estimate[/]: {result.config['model']} on {result.device}, micro-batch "
                   f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}, "
-                  f"checkpointing {result.config['checkpointing']}, {result.config['optimizer']}")
+                  f"checkpointing {result.config['checkpointing']}, {result.config['optimizer']}"
+                  + (f"; one rank of {result.world_size} ({result.distributed})" if result.distributed != "none"
+                     else ""))
     table = Table()
     table.add_column("at the peak")
     table.add_column("bytes", justify="right")

@@ -29,6 +29,7 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 CHECKPOINTING = ("none", "full", "every-n")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 DEVICES = ("auto", "cpu", "cuda")
+DISTRIBUTED = ("none", "ddp", "fsdp", "auto")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,6 +141,15 @@ class TrainConfig:
     output_dir: str | None = None
     """Where metrics, summary and the fine-tuned model go. Default: ``runs/<timestamp>``."""
 
+    # --- more than one GPU (torchrun) ---
+    distributed: str = "none"
+    """``none | ddp | fsdp | auto`` under ``torchrun``: replicate (DDP), shard parameters, gradients and optimizer
+    state (FSDP2), or FSDP only when a replica would not fit (:mod:`memfit.distributed`)."""
+    world_size: int = 1
+    """Processes (GPUs) the run is for: set by torchrun when training; give it to ``memfit estimate``/``plan``."""
+    cpu_offload: bool = False
+    """FSDP only: keep the parameter shards and the optimizer step on the host (``CPUOffloadPolicy``)."""
+
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Reserved for forward-compatible keys; must stay empty."""
 
@@ -151,6 +161,7 @@ class TrainConfig:
         _check_choice(problems, "precision", self.precision, PRECISIONS)
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
+        _check_distributed(problems, self)
         if self.device not in DEVICES and not _is_gpu_profile(self.device):
             problems.add(f"--device {self.device!r} is not one of: {', '.join(DEVICES)}, or a GPU profile to plan "
                          "for (memfit devices)")
@@ -175,12 +186,17 @@ class TrainConfig:
         if self.micro_batch_size is not None and self.accumulation_steps is not None:
             problems.add("give either --micro-batch-size or --accumulation-steps, not both "
                          "(the other is derived from --effective-batch)")
-        if self.micro_batch_size is not None and self.micro_batch_size > self.effective_batch > 0:
+        per_rank = -(-self.effective_batch // max(self.world_size, 1))
+        ranks = f" over {self.world_size} ranks ({per_rank} per rank)" if self.world_size > 1 else ""
+        if self.world_size > self.effective_batch > 0:
+            problems.add(f"--effective-batch {self.effective_batch} is smaller than the {self.world_size} ranks; "
+                         "give every rank at least one sample")
+        elif self.micro_batch_size is not None and self.micro_batch_size > per_rank > 0:
             problems.add(f"--micro-batch-size {self.micro_batch_size} is larger than --effective-batch "
-                         f"{self.effective_batch}; use at most {self.effective_batch}")
-        if (self.accumulation_steps is not None and self.accumulation_steps > self.effective_batch > 0):
+                         f"{self.effective_batch}{ranks}; use at most {per_rank}")
+        if (self.accumulation_steps is not None and self.accumulation_steps > per_rank > 0):
             problems.add(f"--accumulation-steps {self.accumulation_steps} is larger than --effective-batch "
-                         f"{self.effective_batch}: a micro-batch needs at least one sample")
+                         f"{self.effective_batch}{ranks}: a micro-batch needs at least one sample")
         if self.train_top_layers is not None and self.train_top_layers < 1:
             problems.add(f"--train-top-layers must be >= 1 (got {self.train_top_layers})")
         if not 0.0 < self.val_fraction < 1.0:
@@ -221,18 +237,24 @@ class TrainConfig:
         return parse_bytes(str(self.emulate_budget), option="--emulate-budget")
 
     @property
+    def per_rank_batch(self) -> int:
+        """Samples of each window one rank takes: the effective (global) batch over the ranks, rounded up."""
+        return math.ceil(self.effective_batch / self.world_size)
+
+    @property
     def resolved_micro_batch_size(self) -> int:
-        """Micro-batch size implied by ``micro_batch_size`` or ``accumulation_steps``."""
+        """Per-rank micro-batch size implied by ``micro_batch_size`` or ``accumulation_steps``."""
         if self.micro_batch_size is not None:
             return self.micro_batch_size
         if self.accumulation_steps is not None:
-            return math.ceil(self.effective_batch / self.accumulation_steps)
-        return self.effective_batch
+            return math.ceil(self.per_rank_batch / self.accumulation_steps)
+        return self.per_rank_batch
 
     @property
     def resolved_accumulation_steps(self) -> int:
-        """Micro-steps per full window; the last one is smaller when the micro batch does not divide it."""
-        return math.ceil(self.effective_batch / self.resolved_micro_batch_size)
+        """Micro-steps per full window on each rank; the last one is smaller when the micro batch does not
+        divide it. ``effective_batch = micro x accumulation x world_size`` (when they divide)."""
+        return math.ceil(self.per_rank_batch / self.resolved_micro_batch_size)
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
@@ -255,6 +277,15 @@ def _check_types(problems: Problems, config: TrainConfig) -> None:
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             expected = " or ".join(_NAMES[part] for part in parts)
             problems.add(f"--{spec.name.replace('_', '-')} must be {expected} (got {value!r})")
+
+
+def _check_distributed(problems: Problems, config: TrainConfig) -> None:
+    _check_choice(problems, "distributed", config.distributed, DISTRIBUTED)
+    _check_positive(problems, "world_size", config.world_size)
+    if config.world_size > 1 and config.distributed == "none":
+        problems.add(f"--world-size {config.world_size} needs --distributed ddp, fsdp or auto")
+    if config.cpu_offload and config.distributed not in ("fsdp", "auto"):
+        problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
 
 
 def _is_gpu_profile(name: str) -> bool:

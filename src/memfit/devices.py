@@ -88,6 +88,11 @@ class DeviceProfile:
     op_overhead_s: float = 5e-6
     """Host time per ATen op of an eager step (Python, dispatcher, kernel launch): what makes small
     micro-batches slow. The planner's cost model charges it for every op a step dispatches."""
+    link_bandwidth: float = 12e9
+    """Bytes per second one rank's collectives move between cards of this kind in one machine (bus bandwidth:
+    NVLink where such cards have it, else PCIe): what DDP's all-reduce and FSDP's gathers cost."""
+    host_bandwidth: float = 12e9
+    """Bytes per second between the card and host memory (PCIe): what FSDP's CPU offload pays."""
 
     def flops_for(self, precision: str) -> float:
         """Dense matmul throughput under ``precision`` (fp32, fp16 or bf16 autocast)."""
@@ -117,11 +122,15 @@ CUDA_CONTEXT_BYTES = 400 * 1024**2  # typical CUDA context + cuBLAS workspace of
 
 
 def _gpu(name: str, description: str, memory_gib: float, capability: tuple[int, int], fp32: float, fp16: float,
-         bf16: float, bandwidth_gbs: float, tensor_cores: bool) -> DeviceProfile:
+         bf16: float, bandwidth_gbs: float, tensor_cores: bool, *, link_gbs: float = 12,
+         host_gbs: float = 12) -> DeviceProfile:
+    """``link_gbs``/``host_gbs``: achievable (not nominal) GB/s: PCIe 3.0 x16 ~12, 4.0 ~24, 5.0 ~48; NVLink
+    bus bandwidth from the datasheets' per-GPU figure, halved for what all-reduce reaches."""
     return DeviceProfile(name=name, description=description, memory_bytes=int(memory_gib * GiB),
                          compute_capability=capability, fp32_flops=fp32 * TERA, fp16_flops=fp16 * TERA,
                          bf16_flops=bf16 * TERA, memory_bandwidth=bandwidth_gbs * 1e9, tensor_cores=tensor_cores,
-                         non_pytorch_bytes=CUDA_CONTEXT_BYTES)
+                         non_pytorch_bytes=CUDA_CONTEXT_BYTES, link_bandwidth=link_gbs * 1e9,
+                         host_bandwidth=host_gbs * 1e9)
 
 
 CPU_FP32 = 0.3 * TERA
@@ -129,6 +138,9 @@ CPU_FP32 = 0.3 * TERA
 factor, to the step times of ``memfit bench`` on 2 AVX512-BF16 cores (MiniLM on Rotten Tomatoes and a small
 ViT on Fashion-MNIST, benchmarks/results/bench_*_cpu). Other CPUs differ; only the ratios matter to a plan."""
 CPU_OP_OVERHEAD_S = 12e-6
+CPU_GLOO_BANDWIDTH = 1.86e9
+"""gloo's all-reduce bus bandwidth between two processes on this 2-core host (64 MiB, median of 5), measured
+by ``benchmarks/distributed_overhead.py`` (benchmarks/results/distributed_overhead_cpu.json)."""
 
 
 def _cpu_bf16_flops() -> float:
@@ -145,19 +157,20 @@ PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
     _gpu("1080ti", "NVIDIA GeForce GTX 1080 Ti", 11, (6, 1), 11.3, 11.3, 0, 484, False),
     _gpu("2080ti", "NVIDIA GeForce RTX 2080 Ti", 11, (7, 5), 13.4, 53.8, 0, 616, True),
     _gpu("t4", "NVIDIA T4", 15, (7, 5), 8.1, 65, 0, 320, True),
-    _gpu("v100-16", "NVIDIA V100 16GB", 16, (7, 0), 15.7, 125, 0, 900, True),
-    _gpu("v100-32", "NVIDIA V100 32GB", 32, (7, 0), 15.7, 125, 0, 900, True),
-    _gpu("3060", "NVIDIA GeForce RTX 3060 12GB", 12, (8, 6), 12.7, 25.5, 25.5, 360, True),
-    _gpu("3090", "NVIDIA GeForce RTX 3090", 24, (8, 6), 35.6, 71, 71, 936, True),
-    _gpu("4090", "NVIDIA GeForce RTX 4090", 24, (8, 9), 82.6, 165, 165, 1008, True),
-    _gpu("a100-40", "NVIDIA A100 40GB", 40, (8, 0), 19.5, 312, 312, 1555, True),
-    _gpu("a100-80", "NVIDIA A100 80GB", 80, (8, 0), 19.5, 312, 312, 2039, True),
-    _gpu("l4", "NVIDIA L4", 22, (8, 9), 30.3, 121, 121, 300, True),
-    _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True),
-    _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True),
+    _gpu("v100-16", "NVIDIA V100 16GB", 16, (7, 0), 15.7, 125, 0, 900, True, link_gbs=75),
+    _gpu("v100-32", "NVIDIA V100 32GB", 32, (7, 0), 15.7, 125, 0, 900, True, link_gbs=75),
+    _gpu("3060", "NVIDIA GeForce RTX 3060 12GB", 12, (8, 6), 12.7, 25.5, 25.5, 360, True, link_gbs=24,
+         host_gbs=24),
+    _gpu("3090", "NVIDIA GeForce RTX 3090", 24, (8, 6), 35.6, 71, 71, 936, True, link_gbs=24, host_gbs=24),
+    _gpu("4090", "NVIDIA GeForce RTX 4090", 24, (8, 9), 82.6, 165, 165, 1008, True, link_gbs=24, host_gbs=24),
+    _gpu("a100-40", "NVIDIA A100 40GB", 40, (8, 0), 19.5, 312, 312, 1555, True, link_gbs=150, host_gbs=24),
+    _gpu("a100-80", "NVIDIA A100 80GB", 80, (8, 0), 19.5, 312, 312, 2039, True, link_gbs=150, host_gbs=24),
+    _gpu("l4", "NVIDIA L4", 22, (8, 9), 30.3, 121, 121, 300, True, link_gbs=24, host_gbs=24),
+    _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True, link_gbs=225, host_gbs=48),
+    _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True, link_gbs=225, host_gbs=48),
     DeviceProfile(name="cpu", description="host CPU", memory_bytes=0, compute_capability=None, fp32_flops=CPU_FP32,
                   fp16_flops=0.005 * TERA, bf16_flops=_cpu_bf16_flops(), memory_bandwidth=20e9, tensor_cores=False,
-                  op_overhead_s=CPU_OP_OVERHEAD_S),
+                  op_overhead_s=CPU_OP_OVERHEAD_S, link_bandwidth=CPU_GLOO_BANDWIDTH, host_bandwidth=20e9),
 )}
 
 
@@ -208,7 +221,8 @@ def _profile_from_file(path: Path) -> DeviceProfile:
 
     raw = load_config_file(str(path))
     fields = {"name", "description", "memory_bytes", "compute_capability", "fp32_flops", "fp16_flops",
-              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "op_overhead_s"}
+              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "op_overhead_s",
+              "link_bandwidth", "host_bandwidth"}
     unknown = sorted(set(raw) - fields)
     missing = sorted({"name", "memory_bytes", "fp32_flops"} - set(raw))
     if unknown or missing:

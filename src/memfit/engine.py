@@ -12,8 +12,10 @@ import datetime
 import functools
 import math
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +23,17 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from memfit import checkpoints
+from memfit import checkpoints, distributed
 from memfit.build import Prepared, build_model_for, build_optimizer_for, prepare
 from memfit.config import TrainConfig
-from memfit.data.batches import Encoder, cut, window_order
+from memfit.data.batches import Batch, Encoder, cut, window_order
 from memfit.errors import CheckpointError, Interrupted, TrainingError
 from memfit.memory.monitor import PHASES, Monitor, StepTimeline
 from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
 from memfit.planner import Plan, plan_for_run
 from memfit.report import Reporter, Summary, format_bytes, write_json
-from memfit.step import accumulate_window, item_count, loss_sum, to_device
+from memfit.step import IGNORE_INDEX, accumulate_window, item_count, loss_sum, to_device
 from memfit.techniques.oom import OomRecovery
 from memfit.techniques.optim import advance_schedule, build_scheduler
 from memfit.techniques.precision import Precision
@@ -41,11 +43,24 @@ from memfit.techniques.stability import StepCheck, guarded_step
 def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     """Fine-tune ``config.model`` on ``config.data``; write metrics, summary and model; return the summary."""
     started = time.perf_counter()
-    console = console or Console(stderr=True)
+    config = distributed.for_launch(config)  # under torchrun: the world size it launched
+    quiet = distributed.launched_rank() != 0  # rank 0 alone prints and writes
+    console = Console(quiet=True) if quiet else console or Console(stderr=True)
     prepared, plan = prepare_planned(config, console)  # raises ConfigError/DataError before any work
+    config = prepared.config
+    strategy = distributed.resolve_strategy(config, prepared.device)
+    with distributed.process_group(strategy, prepared.device.kind, cpu_offload=config.cpu_offload) as world:
+        return _train(prepared, plan, world, console, started)
+
+
+def _train(prepared: Prepared, plan: Plan | None, world: distributed.World, console: Console,
+           started: float) -> Summary:
     config = prepared.config
     output_dir = Path(config.output_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     checkpoint = checkpoints.resume_checkpoint(output_dir, resume=config.resume, overwrite=config.overwrite)
+    if checkpoint is not None and checkpoint.sharded != world.distributed:
+        raise CheckpointError(checkpoints.format_mismatch(checkpoint))
+    distributed.barrier()  # every rank has looked at the output dir before rank 0 changes it
     device = prepared.device.torch_device
     precision = prepared.precision
     num_train = len(prepared.train_examples)
@@ -56,51 +71,43 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     with Monitor.for_device(device.type, budget_bytes=budget) as monitor:
         timeline = StepTimeline(monitor, output_dir / "memory_timeline.json",
                                 step=min(2, total_steps) if config.memory_timeline else None)
-        model = build_model_for(prepared)  # freeze -> checkpointing
+        model: nn.Module = build_model_for(prepared)  # freeze -> checkpointing (-> sharding, below)
         trainable, total = count_parameters(model)
-        if checkpoint is not None:  # refused before anything in the output dir changes
-            checkpoints.check_architecture(checkpoint, model, config.model)
-            truncate(output_dir / "metrics.jsonl", checkpoint.progress.metrics_bytes)
-        else:
-            checkpoints.clear_run(output_dir)  # --overwrite, or --resume with nothing saved yet
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if plan is not None:
-            plan.save(output_dir / "plan.json")
-        with Reporter(console, output_dir) as reporter:
+        architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later
+        prepare_output_dir(output_dir, checkpoint, model, config, plan, world)
+        with Reporter(console, output_dir, write=world.is_main) as reporter:
             reporter.show_config(config_rows(prepared, output_dir, trainable, total))
             if not prepared.spec.is_pretrained:
                 reporter.warn(f"{config.model} has no pretrained weights here: RANDOM INIT. Memory and speed are "
                               "real; accuracy is not that of a pretrained model.")
             train_encoder = prepared.encoder(prepared.train_examples)
             val_encoder = prepared.encoder(prepared.val_examples)
-            try:
-                if checkpoint is not None:
-                    checkpoint.load_weights(model)
-                model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
-                monitor.track_module(model)  # parameters existed before tracking started
-            except OUT_OF_MEMORY:
-                raise TrainingError(f"the model alone ({format_bytes(4 * total)} of fp32 parameters) does not fit "
-                                    f"the device memory{' budget ' + str(config.emulate_budget) if budget else ''}; "
-                                    "use a smaller model or a device with more memory") from None
-            trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            optimizer = build_optimizer_for(model, config)  # last: sees only the trainable parameters
+            model = place_model(model, checkpoint, world, prepared, monitor, total)
+            inner = distributed.unwrap(model)
+            trained = [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
+            optimizer = build_optimizer_for(inner, config)  # last: sees only the trainable parameters
             scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.warmup_ratio)
-            scaler = precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval)
+            scaler = precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval,
+                                           sharded=world.strategy == "fsdp")
             recovery = OomRecovery(config.resolved_micro_batch_size, config.eval_batch_size,
-                                   effective_batch=config.effective_batch, device=device,
+                                   effective_batch=config.per_rank_batch, device=device,
                                    memory_now=lambda: monitor.snapshot().current_bytes,
-                                   memory_needed=lambda: memory_needed_phrase(config, prepared))
+                                   memory_needed=lambda: memory_needed_phrase(config, prepared),
+                                   cannot_recover=distributed.CANNOT_RECOVER if world.distributed else None)
             run = checkpoints.Progress(micro_batch_size=recovery.micro_batch_size,
                                        eval_batch_size=recovery.eval_batch_size)
             partial: dict[str, Any] = {}  # a window resumed part-way: its gradients, loss and micro-steps done
             stop = checkpoints.StopSignals()  # SIGTERM/SIGINT: finish the micro-step, save, exit
             order = window_order(num_train, seed=config.seed, epoch=run.epoch)
             if checkpoint is not None:
-                run, order, partial = resume_state(checkpoint, config, order, model, trained, optimizer, scheduler,
-                                                   scaler, recovery, reporter, device)
+                run, order, partial = resume_state(checkpoint, config, order, model, world.rank, trained, optimizer,
+                                                   scheduler, scaler, recovery, reporter, device)
 
             def attempt_window(window: list[int], size: int) -> tuple[torch.Tensor, int, int, int]:
                 """Forward + backward of each micro-batch of ``size``; gradients accumulate in .grad."""
+                if world.distributed:
+                    return distributed_window(model, train_encoder, window, size, world, precision=precision,
+                                              scaler=scaler, device=device, phases=monitor)
                 micro_batches = [train_encoder(chunk) for chunk in cut(window, size)]
                 window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
                 start = partial.get("micro_steps_done", 0)
@@ -118,6 +125,9 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                 """A checkpoint of the run as it stands (``grads``: inside a window, after ``micro_steps_done``)."""
                 run.micro_batch_size, run.eval_batch_size = recovery.micro_batch_size, recovery.eval_batch_size
                 run.oom_recoveries, run.metrics_bytes = recovery.events, reporter.metrics.offset
+                if world.distributed:  # every rank, together; never inside a window
+                    return save_sharded_run(output_dir, model, optimizer, scheduler, scaler, order, run, config,
+                                            architecture, world, device)
                 state: dict[str, Any] = {
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "scaler": scaler.state_dict() if scaler is not None else {},
@@ -143,7 +153,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                         run.epoch, run.offset = epoch, 0
                     model.train()
                     while run.offset < num_train and run.step < total_steps:
-                        if stop.requested():  # a signal between two windows (or during an evaluation)
+                        if agreed_stop(stop, world, device):  # a signal between two windows (or in an evaluation)
                             raise stopped(save())
                         window = order[run.offset:run.offset + config.effective_batch]
                         timeline.start_before(run.step + 1)
@@ -154,6 +164,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                                 run.step + 1, functools.partial(attempt_window, window), reset=reset_window,
                                 rng=partial.get("rng_window_start"))
                         except TrainingError as error:  # micro-batch 1 does not fit: keep what was learned
+                            if world.distributed:  # the other ranks wait in a collective: no joint save
+                                raise
                             path = save(rng=recovery.window_rng)
                             raise TrainingError(f"{error.problems[0]}; checkpoint saved to {path}, continue with "
                                                 "--resume after changing the setup") from None
@@ -167,6 +179,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                                                  max_grad_norm=config.max_grad_norm)
                             loss_value, norm_value = check.loss, check.grad_norm
                             loss_finite, grads_finite = check.loss_finite, check.grads_finite
+                            del window_loss  # not alive into the next window (the estimator's trace frees it too)
                             optimizer.zero_grad(set_to_none=True)
                             advance_schedule(scheduler)  # once per optimizer step, applied or skipped
                         run.step += 1
@@ -209,7 +222,7 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
                     recorded = len(recovery.events)
                     with monitor.phase("eval"):
                         accuracy, val_loss = recovery.run_eval(run.step, lambda size: evaluate(
-                            model, val_encoder, len(prepared.val_examples), size, precision, device))
+                            model, val_encoder, len(prepared.val_examples), size, precision, device, world))
                     report_oom(reporter, recovery.events[recorded:])
                     record = {"type": "eval", "epoch": epoch, "step": run.step, "accuracy": accuracy,
                               "loss": val_loss}
@@ -219,10 +232,9 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
             if config.save_every:
                 save()
             memory = monitor.snapshot()
-
-    model.save_pretrained(output_dir / "model", safe_serialization=True)
-    if prepared.tokenizer is not None:
-        prepared.tokenizer.save_pretrained(output_dir / "model")
+            save_final_model(model, prepared, output_dir, world)
+    mine = {"peak": memory.peak_bytes, "phases": memory.phase_peaks}
+    ranks: list[dict[str, Any]] = distributed.gather(mine) if world.distributed else [mine]
     evaluations = run.evaluations
     summary = Summary(
         val_accuracy=evaluations[-1]["accuracy"], val_loss=evaluations[-1]["loss"], train_loss=run.last_loss,
@@ -239,10 +251,99 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
         peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.reserved_bytes, skipped_steps=run.skipped,
         oom_recoveries=recovery.events, plan=plan.summary() if plan is not None else None,
         resumed_from=str(checkpoint.path) if checkpoint is not None else None,
-        evaluations=evaluations, output_dir=str(output_dir))
-    write_json(output_dir / "summary.json", summary.to_dict())
-    reporter.summary(summary)
+        evaluations=evaluations, output_dir=str(output_dir), world_size=world.world_size,
+        distributed=world.strategy, per_rank_peak_memory_bytes=[rank["peak"] for rank in ranks],
+        per_rank_training_peak_bytes=[max(rank["phases"].get(name, 0) for name in PHASES) for rank in ranks],
+        allreduce_seconds=world.allreduce_seconds if world.strategy == "ddp" else None)
+    if world.is_main:
+        write_json(output_dir / "summary.json", summary.to_dict())
+        reporter.summary(summary)
+    distributed.barrier()  # the run's files are complete before any rank exits
     return summary
+
+
+def save_sharded_run(output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                     scaler: torch.amp.GradScaler | None, order: list[int], run: checkpoints.Progress,
+                     config: TrainConfig, architecture: dict[str, Any], world: distributed.World,
+                     device: torch.device) -> Path:
+    """A distributed run's checkpoint, all ranks together (:func:`memfit.checkpoints.save_sharded`)."""
+    shared = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else {},
+              "order": torch.tensor(order, dtype=torch.int64)}
+    return checkpoints.save_sharded(output_dir, model=model, optimizer=optimizer, state=shared, progress=run,
+                                    config=config.to_dict(), model_architecture=architecture,
+                                    keep_last=config.keep_last, rank=world.rank, world_size=world.world_size,
+                                    rng=checkpoints.rng_state(device))
+
+
+def save_final_model(model: nn.Module, prepared: Prepared, output_dir: Path, world: distributed.World) -> None:
+    """The fine-tuned model as a Hugging Face directory; distributed, gathered to rank 0 (a collective)."""
+    weights = distributed.full_state_dict(model) if world.distributed else None
+    if world.is_main:
+        saved: Any = distributed.unwrap(model)
+        saved.save_pretrained(output_dir / "model", safe_serialization=True, state_dict=weights)
+        if prepared.tokenizer is not None:
+            prepared.tokenizer.save_pretrained(output_dir / "model")
+
+
+def prepare_output_dir(output_dir: Path, checkpoint: checkpoints.Checkpoint | None, model: nn.Module,
+                       config: TrainConfig, plan: Plan | None, world: distributed.World) -> None:
+    """Refuse a checkpoint of another model before anything changes; then (rank 0) make the run's directory."""
+    if checkpoint is not None:
+        checkpoints.check_architecture(checkpoint, model, config.model)
+    if world.is_main:
+        if checkpoint is not None:
+            truncate(output_dir / "metrics.jsonl", checkpoint.progress.metrics_bytes)
+        else:
+            checkpoints.clear_run(output_dir)  # --overwrite, or --resume with nothing saved yet
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if plan is not None:
+            plan.save(output_dir / "plan.json")
+    distributed.barrier()
+
+
+def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, world: distributed.World,
+                prepared: Prepared, monitor: Monitor, total: int) -> nn.Module:
+    """Saved weights in, then onto the device: as it is, replicated (DDP) or sharded (FSDP2)."""
+    config, device = prepared.config, prepared.device.torch_device
+    try:
+        if checkpoint is not None and not checkpoint.sharded:
+            checkpoint.load_weights(model)
+        if world.distributed:  # FSDP2 moves only the shards
+            model = distributed.wrap(model, world, low_precision=prepared.precision.low_dtype, device=device)
+        else:
+            model.to(device)
+        monitor.track_module(model)  # parameters existed before tracking started
+    except OUT_OF_MEMORY:
+        raise TrainingError(f"the model alone ({format_bytes(4 * total)} of fp32 parameters) does not fit the "
+                            f"device memory{' budget ' + str(config.emulate_budget) if config.emulate_budget else ''}"
+                            "; use a smaller model or a device with more memory") from None
+    return model
+
+
+def distributed_window(model: nn.Module, encoder: Encoder, window: list[int], size: int, world: distributed.World,
+                       *, precision: Precision, scaler: torch.amp.GradScaler | None, device: torch.device,
+                       phases: Monitor) -> tuple[torch.Tensor, int, int, int]:
+    """This rank's share of a window, gradients reduced in its last backward; (the loss averaged over the
+    ranks, the window's items, micro-steps done, micro-steps).
+
+    One labelled item per sample (sequence- and image-level heads), so the window's item count over all ranks
+    is its length, known to every rank without a collective.
+    """
+    micro_batches = rank_batches(encoder, window, size, world)
+    loss, done = accumulate_window(model, micro_batches, len(window) / world.world_size, precision=precision,
+                                   scaler=scaler, device=device, phases=phases,
+                                   sync=functools.partial(distributed.gradient_sync, model))
+    return distributed.mean_over_ranks(loss), len(window), done, len(micro_batches)
+
+
+def agreed_stop(stop: checkpoints.StopSignals, world: distributed.World, device: torch.device) -> bool:
+    """A stop signal on this rank or, distributed, on any rank: then every rank stops at the same window."""
+    if not world.distributed:
+        return stop.requested()
+    if distributed.any_rank(stop.requested(), device):
+        stop.received = stop.received or signal.SIGTERM  # a rank the signal did not reach stops as SIGTERM
+        return True
+    return False
 
 
 def prepare_planned(config: TrainConfig, console: Console) -> tuple[Prepared, Plan | None]:
@@ -287,7 +388,7 @@ def record_skip(run: checkpoints.Progress, check: StepCheck, *, handled_by_scale
 
 
 def resume_state(checkpoint: checkpoints.Checkpoint, config: TrainConfig, order: list[int], model: nn.Module,
-                 trained: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, scheduler: Any,
+                 rank: int, trained: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, scheduler: Any,
                  scaler: torch.amp.GradScaler | None, recovery: OomRecovery, reporter: Reporter,
                  device: torch.device) -> tuple[checkpoints.Progress, list[int], dict[str, Any]]:
     """Put the run back where ``checkpoint`` left it: (progress, the epoch's order, the partial window)."""
@@ -299,7 +400,10 @@ def resume_state(checkpoint: checkpoints.Checkpoint, config: TrainConfig, order:
     if len(saved_order) != len(order):
         raise CheckpointError(f"--resume {checkpoint.path}: it was trained on {len(saved_order)} examples, this "
                               f"run has {len(order)}; resume with the same --data and split options")
-    optimizer.load_state_dict(state["optimizer"])
+    if checkpoint.sharded:  # model and optimizer state, resharded onto this run's ranks
+        checkpoint.load_sharded(model, optimizer)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
@@ -319,8 +423,12 @@ def resume_state(checkpoint: checkpoints.Checkpoint, config: TrainConfig, order:
         checkpoints.set_rng_state(state["rng"], device)
     elif run.micro_steps_done:  # another micro-batch size: the window restarts from its first sample
         checkpoints.set_rng_state(state["rng_window_start"], device)
-    else:
+    elif not checkpoint.sharded:
         checkpoints.set_rng_state(state["rng"], device)
+    else:  # each rank's own stream; a rank the saving run did not have keeps its fresh one
+        saved_rng = checkpoint.rank_rng(rank)
+        if saved_rng is not None:
+            checkpoints.set_rng_state(saved_rng, device)
     run.micro_steps_done = 0
     reporter.console.print(f"resumed from {checkpoint.path} at step {run.step} (epoch {run.epoch}, "
                            f"{run.offset} samples in)")
@@ -335,18 +443,40 @@ def truncate(path: Path, size: int) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, encoder: Encoder, num_examples: int, batch_size: int, precision: Precision,
-             device: torch.device) -> tuple[float, float]:
-    """(accuracy, mean loss) over the validation examples; no activations are kept for backward."""
+             device: torch.device, world: distributed.World | None = None) -> tuple[float, float]:
+    """(accuracy, mean loss) over the validation examples; no activations are kept for backward.
+
+    Distributed: each rank evaluates its share (padded so every rank runs the same forwards) and the counts
+    are summed over the ranks.
+    """
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
     total_loss = torch.zeros((), device=device)
-    for chunk in cut(range(num_examples), batch_size):
-        batch = to_device(encoder(chunk), device)
+    batches: Iterable[Batch]
+    if world is not None and world.distributed:
+        batches = rank_batches(encoder, list(range(num_examples)), batch_size, world)
+        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    else:
+        batches = (encoder(chunk) for chunk in cut(range(num_examples), batch_size))
+    for host_batch in batches:
+        batch = to_device(host_batch, device)
         with precision.autocast():
             loss, logits = loss_sum(model, batch)
-        correct += (logits.argmax(dim=-1) == batch["labels"]).sum()
+        correct += (logits.argmax(dim=-1) == batch["labels"]).sum()  # a masked label (-100) never matches
         total_loss += loss
+    if world is not None and world.distributed:
+        total_correct, summed_loss = distributed.sum_over_ranks([float(correct), float(total_loss)], device)
+        return total_correct / num_examples, summed_loss / num_examples
     return int(correct) / num_examples, float(total_loss) / num_examples
+
+
+def rank_batches(encoder: Encoder, indices: list[int], size: int, world: distributed.World) -> list[Batch]:
+    """This rank's micro-batches of ``indices`` (:func:`memfit.distributed.rank_chunks`), padding masked out."""
+    chunks, padding = distributed.rank_chunks(indices, size, world)
+    batches = [encoder(chunk) for chunk in chunks]
+    for batch in batches[len(batches) - padding:]:
+        batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    return batches
 
 
 def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:

@@ -22,7 +22,16 @@ Cost model (all of it):
                                                                = the profile's dense FLOP/s for the dtype
              + (k·ops_micro + ops_optimizer)·τ                per-op host overhead: k micro-steps of a window
              + trainable·BYTES_PER_TRAINED_PARAMETER / BW     the optimizer's memory traffic
-    speed    E / t(step) samples/s; fits = peak <= budget·(1 - margin).
+             + communication (``--gpus N``, per optimizer step, W = N ranks, r = (W-1)/W, link = the
+               profile's rank-to-rank bandwidth; taken as not hidden behind compute, an upper bound):
+               ddp   2r·trainable·4 / link                   the gradient all-reduce
+               fsdp  k·2r·params·b / link + r·trainable·4 / link   all-gathers in forward and backward of
+                                                               each micro-step (b: bytes of the compute
+                                                               dtype), one reduce-scatter of fp32 gradients
+               offload: fsdp's, plus k·2·params·b/W + trainable·4/W over the host link, and the optimizer
+               step on the host (its traffic at host memory speed)
+    speed    E / t(step) samples/s (E the global batch; with N ranks each computes E/N); fits = peak <=
+             budget·(1 - margin), the peak being one rank's.
 
 On a card whose fp16 rate equals its fp32 rate (Pascal), fp16 only adds cast ops: it is chosen for memory,
 never for speed. Search: families (precision x checkpointing x optimizer implementation) are traced in the
@@ -61,6 +70,8 @@ EFFICIENCY = 0.5
 BYTES_PER_TRAINED_PARAMETER = 32
 """AdamW step traffic: read weight, gradient and two states, write weight and two states (fp32), plus the
 norm's read of the gradient."""
+HOST_MEMORY_BANDWIDTH = 20e9
+"""Bytes per second of the host's memory: where an offloaded optimizer step runs."""
 BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
 CHECKPOINTING = ("none", "every-2", "full")
@@ -79,6 +90,12 @@ class Family:
     freeze: str = "none"
     """``none | embeddings | top-K`` (train only the top K layers)."""
     optimizer: str = "adamw"
+    strategy: str = "none"
+    """More than one GPU: ``ddp``, ``fsdp`` or ``fsdp-offload``; ``none`` for one."""
+
+    @property
+    def ranks(self) -> bool:
+        return self.strategy != "none"
 
     @property
     def accuracy_neutral(self) -> bool:
@@ -91,10 +108,13 @@ class Family:
         return f"{self.optimizer}-{'foreach' if self.foreach else 'loop'}"
 
     def configure(self, base: TrainConfig, *, micro_batch_size: int, effective_batch: int) -> TrainConfig:
-        """``base`` with this family's techniques and the given split."""
+        """``base`` with this family's techniques and the given split (``effective_batch``: the global one,
+        over ``base.world_size`` ranks when the family is distributed)."""
         top = int(self.freeze.removeprefix("top-")) if self.freeze.startswith("top-") else None
         return dataclasses.replace(
             base, micro_batch_size=micro_batch_size, accumulation_steps=None, effective_batch=effective_batch,
+            distributed=self.strategy.removesuffix("-offload"), cpu_offload=self.strategy == "fsdp-offload",
+            world_size=base.world_size if self.ranks else 1,
             precision=self.precision, checkpointing="every-n" if self.checkpointing == "every-2" else
             self.checkpointing, checkpoint_every=2, foreach=self.foreach, optimizer=self.optimizer,
             freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
@@ -124,6 +144,7 @@ class Candidate:
                 "precision": self.family.precision, "checkpointing": self.family.checkpointing,
                 "optimizer": self.family.optimizer_label, "foreach": self.family.foreach,
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
+                "distributed": self.family.strategy,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -134,8 +155,11 @@ class Candidate:
 
     def describe(self) -> str:
         freeze = "" if self.family.freeze == "none" else f", freeze {self.family.freeze}"
-        return (f"micro-batch {self.micro_batch_size} x {self.accumulation_steps}, {self.family.precision}, "
-                f"checkpointing {self.family.checkpointing}, {self.family.optimizer_label}{freeze}")
+        ranks = f"{self.family.strategy}, " if self.family.ranks else ""
+        per_rank = " per rank" if self.family.ranks else ""
+        return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
+                f"{self.family.precision}, checkpointing {self.family.checkpointing}, "
+                f"{self.family.optimizer_label}{freeze}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -232,7 +256,7 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
         named = config.device not in DEVICES  # --device 1080ti: plan for that card
         target = resolve_profile(config.device) if named else profile_for(prepared.device)
         made = plan(config, device=target, budget=config.budget, seq_len=config.max_length,
-                    num_labels=len(prepared.label_names),
+                    num_labels=len(prepared.label_names), gpus=config.world_size,
                     precisions=None if config.precision == "auto" else (config.precision,))
     if made.chosen is None:
         raise ConfigError(made.verdict)
@@ -263,7 +287,8 @@ def load_plan(path: str | Path) -> Plan:
 
 def _candidate(raw: dict[str, Any]) -> Candidate:
     family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], foreach=raw["foreach"],
-                    freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0])
+                    freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
+                    strategy=raw.get("distributed", "none"))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
@@ -279,6 +304,7 @@ class StepCost:
     ops_per_micro_step: float
     ops_per_optimizer_step: float
     trainable_parameters: int
+    parameters: int = 0
 
     @classmethod
     def of(cls, trace: Estimate) -> StepCost:
@@ -288,16 +314,30 @@ class StepCost:
         return cls(flops_per_sample=trace.flops / trace.traced_samples,
                    ops_per_micro_step=(ops.get("forward", 0) + ops.get("backward", 0)) / micro_steps,
                    ops_per_optimizer_step=(ops.get("optimizer", 0) + ops.get("zero_grad", 0)) / STEPS,
-                   trainable_parameters=trace.trainable_parameters)
+                   trainable_parameters=trace.trainable_parameters, parameters=trace.parameters)
 
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
-                 accumulation_steps: int) -> float:
-    """The cost model's time of one optimizer step (see the module docstring)."""
+                 accumulation_steps: int, strategy: str = "none", world_size: int = 1) -> float:
+    """The cost model's time of one optimizer step of one rank (see the module docstring);
+    ``effective_batch`` is the samples this rank computes."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
     traffic = cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER / profile.memory_bandwidth
-    return compute + overhead + traffic
+    if strategy == "none" or world_size == 1:
+        return compute + overhead + traffic
+    share = (world_size - 1) / world_size
+    gradients = 4 * cost.trainable_parameters
+    if strategy == "ddp":
+        return compute + overhead + traffic + 2 * share * gradients / profile.link_bandwidth
+    gathered = 2 * accumulation_steps * cost.parameters * (4 if precision == "fp32" else 2)
+    communication = share * (gathered + gradients) / profile.link_bandwidth
+    traffic /= world_size  # each rank steps its shard
+    if strategy == "fsdp-offload":
+        host = (gathered + gradients) / world_size / profile.host_bandwidth
+        traffic = traffic * profile.memory_bandwidth / HOST_MEMORY_BANDWIDTH
+        communication += host
+    return compute + overhead + traffic + communication
 
 
 def micro_batch_sizes(effective_batch: int) -> list[int]:
@@ -337,7 +377,10 @@ class _Search:
                  image_size: int | None, num_labels: int, cache: dict[Any, Estimate] | None = None) -> None:
         self.base, self.profile, self.usable = base, profile, usable_bytes
         self.seq_len, self.image_size, self.num_labels = seq_len, image_size, num_labels
-        self.effective = base.effective_batch
+        self.global_batch = base.effective_batch
+        self.world_size = base.world_size
+        self.effective = base.per_rank_batch
+        """Samples of a window one rank computes (the global batch with one GPU)."""
         self.micros = micro_batch_sizes(self.effective)
         self.traces: dict[tuple[Family, int, bool, bool], Estimate] = {}
         self.cache = {} if cache is None else cache
@@ -356,8 +399,9 @@ class _Search:
         lean = lean and accumulate  # a window of one micro-batch is lean already
         key = (family, micro, accumulate, lean)
         if key not in self.traces:
+            ranks = self.world_size if family.ranks else 1
             config = family.configure(self.base, micro_batch_size=micro,
-                                      effective_batch=2 * micro if accumulate else micro)
+                                      effective_batch=(2 * micro if accumulate else micro) * ranks)
             shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
                       self.num_labels)
             if shared not in self.cache:
@@ -378,7 +422,7 @@ class _Search:
             self.lines[family] = _Line(traces[-1], traces[0] if len(traces) > 1 else None)
         else:  # an effective batch of 1: one setup, traced exactly
             self.lines[family] = _Line(self.exact(family, 1), None)
-        self.costs[family] = StepCost.of(self.lines[family].low)
+        self.costs[family] = self.step_cost(family, self.lines[family].low)
         for micro in self.micros:
             self.predict(family, micro)
 
@@ -396,13 +440,25 @@ class _Search:
             extra = int(trace.breakdown["inputs"] / (2 * trace.micro_batch_size) * (self.effective - 2 * micro))
             peak, allocated = peak + extra, allocated + extra
         seconds = step_seconds(self.costs[family], self.profile, family.precision,
-                               effective_batch=self.effective, accumulation_steps=steps)
+                               effective_batch=self.effective, accumulation_steps=steps, strategy=family.strategy,
+                               world_size=self.world_size)
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
-                              predicted_samples_per_second=self.effective / seconds, exact=exact,
+                              predicted_samples_per_second=self.global_batch / seconds, exact=exact,
                               fits=peak <= self.usable)
         self.candidates[(family, micro)] = candidate
         return candidate
+
+    def step_cost(self, family: Family, trace: Estimate) -> StepCost:
+        """The family's step cost from its trace. FSDP's optimizer step runs on DTensors, whose inner ops a
+        trace does not see: it costs at least the ops of a replica's step with the same optimizer."""
+        cost = StepCost.of(trace)
+        if not family.strategy.startswith("fsdp"):
+            return cost
+        replicas = [known.ops_per_optimizer_step for other, known in self.costs.items()
+                    if other.strategy in ("none", "ddp") and (other.foreach, other.optimizer, other.freeze)
+                    == (family.foreach, family.optimizer, family.freeze)]
+        return dataclasses.replace(cost, ops_per_optimizer_step=max([cost.ops_per_optimizer_step, *replicas]))
 
     # --- search ---
     def lower_bound_seconds(self, family: Family) -> float:
@@ -411,17 +467,19 @@ class _Search:
         rank = CHECKPOINTING.index(family.checkpointing)
         known = [(other, cost) for other, cost in self.costs.items()
                  if other.freeze == family.freeze and other.optimizer == family.optimizer
-                 and CHECKPOINTING.index(other.checkpointing) <= rank]
+                 and CHECKPOINTING.index(other.checkpointing) <= rank
+                 and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
         flops = max((cost.flops_per_sample for _, cost in known), default=0.0)
         ops = max((cost.ops_per_micro_step for other, cost in known
                    if other.precision in (family.precision, "fp32")), default=0.0)
         step_ops = min((cost.ops_per_optimizer_step for other, cost in known if other.foreach == family.foreach),
                        default=0.0)
         trainable = min((cost.trainable_parameters for _, cost in known), default=0)
+        parameters = min((cost.parameters for _, cost in known), default=0)
         bound = StepCost(flops_per_sample=flops, ops_per_micro_step=ops, ops_per_optimizer_step=step_ops,
-                         trainable_parameters=trainable)
+                         trainable_parameters=trainable, parameters=parameters)
         return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
-                            accumulation_steps=1)
+                            accumulation_steps=1, strategy=family.strategy, world_size=self.world_size)
 
     def best(self, *, confirmed: bool) -> Candidate | None:
         fitting = [c for c in self.candidates.values() if c.fits and (c.exact or not confirmed)]
@@ -434,7 +492,7 @@ class _Search:
         self.considered.extend(family for family in families if family not in self.considered)
         while True:
             best = self.best(confirmed=False)
-            best_seconds = self.effective / best.predicted_samples_per_second if best else math.inf
+            best_seconds = self.global_batch / best.predicted_samples_per_second if best else math.inf
             open_families = [family for family in families if family not in self.lines
                              and self.lower_bound_seconds(family) < best_seconds * (1 - 1e-9)]
             if open_families:
@@ -465,7 +523,7 @@ class _Search:
     def exact_candidate(self, family: Family, micro: int) -> Candidate:
         """``family`` at ``micro`` from an exact trace (without fitting the family's line)."""
         trace = self.exact(family, micro)
-        self.costs.setdefault(family, StepCost.of(trace))
+        self.costs.setdefault(family, self.step_cost(family, trace))
         return self.predict(family, micro)
 
     def smallest(self, families: list[Family]) -> Candidate:
@@ -480,16 +538,26 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
          image_size: int | None = None, margin: float = 0.05, allow_freeze: bool = False,
          allow_8bit_optimizer: bool = False, precisions: tuple[str, ...] | None = None,
-         num_labels: int = 2, cache: dict[Any, Estimate] | None = None) -> Plan:
+         num_labels: int = 2, cache: dict[Any, Estimate] | None = None, gpus: int | None = None) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
     at ``effective_batch``; see the module docstring for the search and its cost model.
 
-    ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets)."""
+    ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
+    ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
+    on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's."""
     started = time.perf_counter()
     base = config or TrainConfig()
     base = dataclasses.replace(base, model=model or base.model, effective_batch=effective_batch or base.effective_batch,
-                               micro_batch_size=None, accumulation_steps=None, budget=None, plan=None)
+                               micro_batch_size=None, accumulation_steps=None, budget=None, plan=None,
+                               world_size=gpus or base.world_size)
+    if base.world_size > 1 and base.distributed == "none":
+        base = dataclasses.replace(base, distributed="auto")
     problems = Problems()
+    if base.world_size < 1:
+        problems.add(f"--gpus must be >= 1 (got {base.world_size})")
+    elif base.world_size > base.effective_batch:
+        problems.add(f"--gpus {base.world_size} is more than --effective-batch {base.effective_batch}: every GPU "
+                     "needs at least one sample of each step")
     profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
     budget_bytes = problems.collect(lambda: _budget_bytes(budget, profile))
     if not 0.0 <= margin < 0.5:
@@ -513,7 +581,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                      num_labels=num_labels, cache=cache)
     foreach_default = profile.kind == "cuda"  # torch's default: foreach kernels on CUDA, a loop on CPU
     chosen_precisions = tuple(p for p in profile.precisions() if not precisions or p in precisions)
-    neutral = [Family(precision=p, checkpointing=c, foreach=foreach_default, optimizer=base.optimizer)
+    neutral = [Family(precision=p, checkpointing=c, foreach=foreach_default, optimizer=base.optimizer, strategy=s)
+               for s in strategies(base, profile)
                for p in sorted(chosen_precisions, key=lambda p: -profile.flops_for(p)) for c in CHECKPOINTING]
     search.search(neutral)
     advice: list[str] = []
@@ -538,6 +607,19 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                 image_size=(image_size or int(spec.hf_config.image_size)) if spec.modality == "vision" else None,
                 verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
                 config=base.to_dict())
+
+
+def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
+    """What a plan for ``base.world_size`` ranks may choose from: replicate first, then shard, then offload
+    (CUDA only; on CPU the shards already live in host memory)."""
+    if base.world_size == 1:
+        return ("none",)
+    offload = ("fsdp-offload",) if profile.kind == "cuda" else ()
+    if base.distributed == "ddp":
+        return ("ddp",)
+    if base.distributed == "fsdp":
+        return ("fsdp-offload",) if base.cpu_offload and offload else ("fsdp", *offload)
+    return ("ddp", "fsdp", *offload)
 
 
 def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> int | None:

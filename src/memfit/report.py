@@ -72,6 +72,16 @@ class Summary:
     resumed_from: str | None = None
     """The checkpoint this run continued from, if any (peak memory and speed are of the resumed part)."""
     output_dir: str = ""
+    world_size: int = 1
+    """Ranks that trained (``torchrun --nproc-per-node``); the effective batch is over all of them."""
+    distributed: str = "none"
+    """``none``, ``ddp`` or ``fsdp``."""
+    per_rank_peak_memory_bytes: list[int] = field(default_factory=list)
+    """Each rank's peak (in rank order); ``peak_memory_bytes`` is rank 0's."""
+    per_rank_training_peak_bytes: list[int] = field(default_factory=list)
+    """Each rank's peak over forward, backward and optimizer: what ``memfit estimate --world-size`` predicts."""
+    allreduce_seconds: float | None = None
+    """DDP: summed time gradient buckets spent in flight (overlapping backward); ``None`` otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,9 +109,10 @@ class MetricsLog:
 class Reporter:
     """Console output of a run (rich), and its metrics file."""
 
-    def __init__(self, console: Console, output_dir: Path) -> None:
+    def __init__(self, console: Console, output_dir: Path, *, write: bool = True) -> None:
+        """``write=False`` (ranks other than 0): the metrics go nowhere."""
         self.console = console
-        self.metrics = MetricsLog(output_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(output_dir / "metrics.jsonl" if write else Path(os.devnull))
         self._progress: Progress | None = None
         self._task: Any = None
 
@@ -162,6 +173,9 @@ class Reporter:
             ("techniques", f"precision {summary.precision}, checkpointing {summary.checkpointing}"),
             ("parameters", f"{summary.trainable_parameters:,} trainable of {summary.total_parameters:,}"),
             ("time", f"{summary.train_seconds:.1f} s training, {summary.total_seconds:.1f} s total"),
+            *([("ranks", f"{summary.world_size} ({summary.distributed}), peak per rank "
+                         f"{', '.join(format_bytes(b) for b in summary.per_rank_peak_memory_bytes)}")]
+              if summary.world_size > 1 or summary.distributed != "none" else []),
             ("output", summary.output_dir),
         ]
         if summary.peak_rss_bytes is not None:

@@ -52,10 +52,11 @@ class PhaseTracker(Protocol):
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
 
 
-def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items: int, *, precision: Precision,
+def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items: float, *, precision: Precision,
                       scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
-                      loss_so_far: torch.Tensor | None = None,
-                      should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
+                      loss_so_far: torch.Tensor | None = None, should_stop: Callable[[], bool] | None = None,
+                      sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None,
+                      ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one window's micro-batches, accumulating gradients in ``.grad``.
 
     ``window_items`` is the window's labelled-item count (:func:`item_count`, summed on the host). Returns the
@@ -63,17 +64,22 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
     ``should_stop()`` turned true after one (a stop signal; the caller saves the partial window). A window
     resumed part-way passes its remaining micro-batches and ``loss_so_far``. Each micro-batch's graph is freed
     before the next forward, so only one micro-batch's activations are alive at a time.
+
+    ``sync(last)`` wraps each micro-step of a distributed run: gradients are reduced over the ranks only in
+    the window's last backward. There ``window_items`` is the window's items over the ranks divided by their
+    number (DDP and FSDP average the ranks' gradients).
     """
     window_loss = torch.zeros((), device=device) if loss_so_far is None else loss_so_far.to(device)
     done = 0
-    for host_batch in micro_batches:
+    for index, host_batch in enumerate(micro_batches):
         batch = to_device(host_batch, device)
         phases.track(*batch.values(), category="inputs")
-        with phases.phase("forward"), precision.autocast():
-            loss, _ = loss_sum(model, batch)
-            loss = loss / window_items  # normalised over the whole window, not per micro-batch
-        with phases.phase("backward"):
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+        with sync(index == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
+            with phases.phase("forward"), precision.autocast():
+                loss, _ = loss_sum(model, batch)
+                loss = loss / window_items  # normalised over the whole window, not per micro-batch
+            with phases.phase("backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         window_loss += loss.detach()
         del loss, batch  # free this micro-batch's graph before the next forward
         done += 1

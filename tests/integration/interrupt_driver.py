@@ -3,7 +3,7 @@
 ``INTERRUPT=kill:7`` sends SIGKILL to itself at the 7th training forward, ``term:5`` and ``int:6`` send
 SIGTERM/SIGINT there, ``save:2`` sends SIGKILL in the middle of the 2nd checkpoint save (its files written,
 its completion marker not yet). ``PROBE=FILE`` appends every window's sample indices to FILE, one JSON list per
-line, as the engine cuts it into micro-batches.
+line, as the engine cuts it into micro-batches. Under torchrun, ``INTERRUPT_RANK=1`` interrupts that rank only.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
 
 def install() -> None:
     mode, _, count = os.environ.get("INTERRUPT", "").partition(":")
+    if os.environ.get("INTERRUPT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        mode = ""  # another rank is the one interrupted
     calls = {"n": 0}
     if mode in SIGNALS:
         real_loss_sum = memfit.step.loss_sum

@@ -168,6 +168,15 @@ CASES: dict[str, tuple[Setup, str]] = {
                           "not a GPU profile"),
     "bench-unknown-setup": (lambda w: ["bench", "--model", str(w / "bert"), "--setups", "fp8"],
                             "invalid choice: 'fp8'"),
+    # --- more than one GPU ---
+    "cpu-offload-without-fsdp": (lambda w: base(w, "--cpu-offload"), "--cpu-offload offloads FSDP shards"),
+    "estimate-ranks-without-strategy": (lambda w: ["estimate", "--model", str(w / "bert"), "--world-size", "2"],
+                                        "--world-size 2 needs --distributed ddp, fsdp or auto"),
+    "plan-more-gpus-than-samples": (lambda w: ["plan", "--model", str(w / "bert"), "--gpus", "64"],
+                                    "--gpus 64 is more than --effective-batch 32"),
+    "resume-single-process-run-distributed": (lambda w: (finished_run(w), base(w, "--resume", "--distributed",
+                                                                              "ddp"))[1],
+                                              "written by a single-process run; resume it without --distributed"),
 }
 
 

@@ -175,3 +175,25 @@ def test_train_device_may_name_a_gpu_profile_to_plan_for() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="--device 1080ti: no CUDA device"):
             resolve_device("1080ti")
+
+
+PARAMETER_BERT = {**ACTIVATION_BERT, "vocab_size": 30522}  # parameters, gradients and AdamW state dominate
+
+
+def test_with_two_gpus_the_plan_shards_only_when_a_replica_does_not_fit(tmp_path: Path) -> None:
+    model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
+    base = TrainConfig(model=model, max_length=32, effective_batch=8)
+    roomy = plan(base, device="cpu", budget=64 * 1024**2, seq_len=32, gpus=2)
+    assert roomy.chosen is not None and roomy.chosen.family.strategy == "ddp", roomy.verdict  # no gathers to pay
+    replicas = [c.predicted_peak_bytes or 0 for c in roomy.candidates
+                if c.family.strategy == "ddp" and c.predicted_peak_bytes is not None]
+    tight = plan(base, device="cpu", budget=int((min(replicas) - 1) / 0.95), seq_len=32, gpus=2)
+    assert tight.chosen is not None and tight.chosen.family.strategy == "fsdp", tight.verdict
+    assert tight.chosen.exact and tight.chosen.predicted_peak_bytes is not None
+    assert tight.chosen.predicted_peak_bytes <= tight.usable_bytes < min(replicas)
+    assert not any(c.fits for c in tight.candidates if c.family.strategy == "ddp")
+    assert tight.chosen.micro_batch_size * tight.chosen.accumulation_steps * 2 == tight.effective_batch == 8
+    config = tight.to_config()
+    assert (config.distributed, config.world_size, config.per_rank_batch) == ("fsdp", 2, 4)
+    assert estimate(config, device="cpu", seq_len=32).total_bytes == tight.chosen.predicted_peak_bytes
+    assert roomy.chosen.predicted_samples_per_second > tight.chosen.predicted_samples_per_second

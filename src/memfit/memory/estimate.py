@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memfit import distributed
 from memfit.build import build_optimizer_for, build_with_techniques, depth_problems
 from memfit.config import TrainConfig
 from memfit.data.batches import Batch
@@ -80,6 +82,11 @@ class Estimate:
     ``FlopCounterMode``; ``None`` unless asked for (``count_flops=True``)."""
     trainable_parameters: int
     """Parameters that get gradients and optimizer state."""
+    parameters: int
+    """All parameters (of the whole model, also when sharded)."""
+    world_size: int
+    distributed: str
+    """The strategy traced: ``none``, ``ddp`` or ``fsdp`` (``auto`` resolved); the peak is one rank's."""
     traced_micro_steps: int
     """Forward/backward passes the traced steps ran."""
     traced_samples: int
@@ -130,8 +137,8 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     size = (image_size or int(spec.hf_config.image_size)) if vision else None
     spec = _config_only(spec, size)
     # Host batches and their item counts, made before any fake mode: counting reads label values.
-    micro = config.resolved_micro_batch_size
-    counts = [min(micro, config.effective_batch - start) for start in range(0, config.effective_batch, micro)]
+    micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window
+    counts = [min(micro, per_rank - start) for start in range(0, per_rank, micro)]
     windows = [[synthetic_batch(spec, count, length) for count in counts] for _ in range(steps)]
     if lean_warmup and steps > 1:  # step 1 only creates the optimizer state: one micro-batch does that
         windows[0] = windows[0][:1]
@@ -163,23 +170,33 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     tracker = StorageTracker(allocator=allocator, count_flops=count_flops)
     if execute and profile.kind != "cpu":
         raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
+    strategy = trace_strategy(config, profile)
+    if strategy == "fsdp" and execute:
+        raise ConfigError("execute=True measures one process; measure FSDP with torchrun (memfit train)")
     fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
                    for window in windows]
-    with fake_mode or contextlib.nullcontext(), (contextlib.nullcontext() if execute else _no_init_weights()):
-        model = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
-                                      pad_token_id=0)
+    world = distributed.fake_world(config.world_size) if strategy == "fsdp" else contextlib.nullcontext()
+    with world as mesh, fake_mode or contextlib.nullcontext(), (
+            contextlib.nullcontext() if execute else _no_init_weights()):
+        model: torch.nn.Module = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
+                                                       pad_token_id=0)
         model.train()
-        trainable, _ = count_parameters(model)
+        trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
         with tracker, emulation or contextlib.nullcontext():
             # the scaler's state is made at the first backward and lives on: counted from the start
             scaler_bytes = sum(allocator.allocate(-1 - key, 4) if allocator is not None else 4
                                for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
+            if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
+                model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
+                                          cpu_offload=config.cpu_offload)
+                tracker.relabel(list(model.parameters()), "parameters")
             run_steps(model, config, precision, windows, window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
-                      cuda=profile.kind == "cuda")
+                      cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
+                      persistent_grads=strategy == "ddp")
     peak = tracker.peak_bytes + scaler_bytes
     breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
     breakdown["temporaries"] += scaler_bytes
@@ -200,7 +217,8 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
         sequence_length=length, image_size=size, precision=precision.name,
         config=config.to_dict(), traced_ops=tracker.op_count, phase_ops=dict(tracker.phase_ops), flops=flops,
-        trainable_parameters=trainable, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
+        trainable_parameters=trainable, parameters=total, world_size=config.world_size, distributed=strategy,
+        traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
         seconds=time.perf_counter() - started)
 
 
@@ -208,7 +226,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
               window_items: list[int], *, device: torch.device, phases: PhaseTracker,
               tracker: StorageTracker | None = None, scaler: torch.amp.GradScaler | None = None,
               read: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]] = read_values,
-              cuda: bool = False, after_step: Callable[[int], None] | None = None) -> None:
+              cuda: bool = False, after_step: Callable[[int], None] | None = None, world_size: int = 1,
+              persistent_grads: bool = False) -> None:
     """The engine's window and optimizer step, once per window, on ``device``.
 
     The estimator runs it on fake tensors (``read=assume_finite``) with ``tracker`` attributing storages to
@@ -216,9 +235,19 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     traced for) a CUDA device, where torch defaults to foreach optimizer kernels and Adam's step counters live
     on the host (unless the optimizer is fused or capturable), so the tracker does not count them.
     ``after_step(i)`` runs after step ``i`` (from 1), e.g. to reset peak statistics after a warm-up.
+
+    ``world_size > 1``: ``model`` is sharded (FSDP2 over a fake process group) and the window is one rank's;
+    gradients are reduced in the window's last backward only, as in the engine. ``persistent_grads``: DDP's
+    gradient buckets, which hold every trainable gradient for the whole run (``gradient_as_bucket_view``).
     """
     phases.track_module(model)
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None
+    if world_size > 1:
+        sync = functools.partial(distributed.gradient_sync, model)
+    buckets = DdpBuckets(trained, phases) if persistent_grads else None
+    if buckets is not None:
+        sync = buckets.sync
     if tracker is not None:
         for _, parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
             parameter.register_post_accumulate_grad_hook(
@@ -227,8 +256,16 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     optimizer = build_optimizer_for(model, config, foreach_default=cuda)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
-        window_loss, _ = accumulate_window(model, micro_batches, window_items.pop(0), precision=precision,
-                                           scaler=scaler, device=device, phases=phases)
+        items = window_items.pop(0)
+        if world_size > 1:  # the engine's stop agreement before each window
+            distributed.any_rank(False, device)
+        window_loss, _ = accumulate_window(model, micro_batches, items,
+                                           precision=precision, scaler=scaler, device=device, phases=phases,
+                                           sync=sync)
+        if world_size > 1:
+            window_loss = distributed.mean_over_ranks(window_loss)
+            if tracker is not None:  # FSDP2 sets the reduced shard as .grad (no accumulate-grad hook runs)
+                tracker.relabel([p.grad for _, p in trained if p.grad is not None], "gradients")
         with phases.phase("optimizer"):
             guarded_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=config.max_grad_norm,
                          read=read)
@@ -243,6 +280,63 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
             optimizer.zero_grad(set_to_none=True)
         if after_step is not None:
             after_step(step)
+    del buckets
+
+
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class DdpBuckets:
+    """Stand-ins for DDP's gradient buckets (``gradient_as_bucket_view``), made before the first step and
+    alive to the end: flat buffers filled in reverse parameter order, the first up to 1 MiB, the others up to
+    25 MiB (DDP's defaults). Micro-steps under ``no_sync()`` accumulate into ordinary ``.grad`` tensors; in the
+    synchronised backward each gradient is copied into its bucket and ``.grad`` becomes the bucket's view, as
+    DDP's reducer does. (DDP itself cannot be built on fake tensors.)"""
+
+    def __init__(self, trained: list[tuple[str, torch.nn.Parameter]], phases: PhaseTracker) -> None:
+        self.synchronising = True
+        groups: list[list[torch.nn.Parameter]] = []
+        cap, filled = DDP_FIRST_BUCKET_BYTES, 0
+        for _, parameter in reversed(trained):
+            if not groups or filled >= cap:
+                cap = DDP_FIRST_BUCKET_BYTES if not groups else DDP_BUCKET_BYTES
+                groups.append([])
+                filled = 0
+            groups[-1].append(parameter)
+            filled += parameter.numel() * parameter.element_size()
+        self.buckets = []
+        for group in groups:
+            bucket = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype)
+            phases.track(bucket, category="gradients")
+            offset = 0
+            for parameter in group:
+                view = bucket.narrow(0, offset, parameter.numel()).view(parameter.shape)
+                parameter.register_post_accumulate_grad_hook(functools.partial(self._into_bucket, view=view))
+                offset += parameter.numel()
+            self.buckets.append(bucket)
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        self.synchronising = enabled
+        yield
+
+    def _into_bucket(self, parameter: torch.Tensor, *, view: torch.Tensor) -> None:
+        grad = parameter.grad
+        if self.synchronising and grad is not None and \
+                grad.untyped_storage()._cdata != view.untyped_storage()._cdata:
+            view.copy_(grad)
+            parameter.grad = view
+
+
+def trace_strategy(config: TrainConfig, profile: DeviceProfile) -> str:
+    """The strategy a distributed config runs: ``auto`` is FSDP when one rank's replica does not fit."""
+    if config.distributed != "auto":
+        return config.distributed
+    if profile.kind != "cuda":
+        return "ddp"
+    replica = estimate(distributed.replica_config(config), device=profile)
+    return "ddp" if replica.total_bytes <= profile.memory_bytes else "fsdp"
 
 
 def synthetic_batch(spec: ModelSpec, batch_size: int, length: int) -> Batch:

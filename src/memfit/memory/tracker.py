@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -43,6 +43,18 @@ OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.O
 
 if TYPE_CHECKING:
     from memfit.memory.allocator import CachingAllocatorModel
+
+
+def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The tensors that own memory: a wrapper subclass (an FSDP2 shard's ``DTensor``) reports its global size,
+    so its inner (local) tensors are counted instead."""
+    for tensor in tensors:
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            yield from local_tensors(getattr(tensor, name) for name in names
+                                     if isinstance(getattr(tensor, name), torch.Tensor))
+        else:
+            yield tensor
 
 
 class StorageTracker(TorchDispatchMode):
@@ -90,7 +102,7 @@ class StorageTracker(TorchDispatchMode):
 
     def track(self, *tensors: torch.Tensor, category: str | None = None) -> None:
         """Count the storages of ``tensors`` (idempotent: a storage already counted is skipped)."""
-        for tensor in tensors:
+        for tensor in local_tensors(tensors):
             if tensor.layout != torch.strided:
                 continue
             storage = tensor.untyped_storage()
@@ -115,7 +127,7 @@ class StorageTracker(TorchDispatchMode):
 
     def relabel(self, tensors: list[torch.Tensor], category: str) -> None:
         """Move already-counted storages to ``category`` (e.g. a gradient once it sits in ``.grad``)."""
-        for tensor in tensors:
+        for tensor in local_tensors(tensors):
             key = tensor.untyped_storage()._cdata
             old = self._categories.get(key)
             if old is None or old == category:
@@ -127,7 +139,7 @@ class StorageTracker(TorchDispatchMode):
 
     def forget(self, tensors: list[torch.Tensor]) -> None:
         """Stop counting already-counted storages: they live elsewhere on the target (e.g. host-side scalars)."""
-        for tensor in tensors:
+        for tensor in local_tensors(tensors):
             key = tensor.untyped_storage()._cdata
             if key in self._sizes:
                 self._release(key)

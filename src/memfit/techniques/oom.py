@@ -41,7 +41,7 @@ class OomRecovery:
 
     def __init__(self, micro_batch_size: int, eval_batch_size: int, *, effective_batch: int,
                  device: torch.device, memory_now: Callable[[], int],
-                 memory_needed: Callable[[], str] = lambda: "") -> None:
+                 memory_needed: Callable[[], str] = lambda: "", cannot_recover: str | None = None) -> None:
         self.micro_batch_size = micro_batch_size
         self.eval_batch_size = eval_batch_size
         self.effective_batch = effective_batch
@@ -50,6 +50,9 @@ class OomRecovery:
         """Bytes in use right now (read while the failed attempt's tensors are still alive)."""
         self.memory_needed = memory_needed
         """A phrase naming the memory a micro-batch of 1 needs, for the final error ('' when unknown)."""
+        self.cannot_recover = cannot_recover
+        """Set when every OOM must stop the run (a distributed run, whose ranks cannot agree on a smaller
+        micro-batch at the failing op): what to do instead."""
         self.events: list[dict[str, Any]] = []
         self.window_rng: dict[str, Any] = {}
         """The random state at the start of the current window: what a restart of the window replays."""
@@ -70,6 +73,9 @@ class OomRecovery:
             done, result, memory, message = self._try(attempt, self.micro_batch_size)
             if done:
                 return result  # type: ignore[return-value]
+            if self.cannot_recover is not None:
+                raise TrainingError(f"step {step}: out of memory at micro-batch {self.micro_batch_size} "
+                                    f"({message}); {self.cannot_recover}")
             # here the exception and its traceback are gone, and with them the failed attempt's tensors
             failures += 1
             reset()
@@ -96,6 +102,9 @@ class OomRecovery:
             done, result, memory, message = self._try(attempt, self.eval_batch_size)
             if done:
                 return result  # type: ignore[return-value]
+            if self.cannot_recover is not None:
+                raise TrainingError(f"step {step}: out of memory while evaluating with a batch of "
+                                    f"{self.eval_batch_size} ({message}); lower --eval-batch-size")
             self._release()
             old = self.eval_batch_size
             if old == 1:

@@ -66,7 +66,18 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def make_scaler(self, *, init_scale: float, growth_interval: int) -> torch.amp.GradScaler | None:
+    @property
+    def low_dtype(self) -> torch.dtype | None:
+        """The 16-bit compute dtype, ``None`` under fp32."""
+        return self.dtype if self.uses_autocast else None
+
+    def make_scaler(self, *, init_scale: float, growth_interval: int,
+                    sharded: bool = False) -> torch.amp.GradScaler | None:
+        """fp16's GradScaler; ``sharded`` (FSDP): the one that agrees on overflow across the ranks' shards."""
         if not self.uses_scaler:
             return None
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(self.device_type, init_scale=init_scale, growth_interval=growth_interval)
         return torch.amp.GradScaler(self.device_type, init_scale=init_scale, growth_interval=growth_interval)

@@ -24,7 +24,9 @@ def gradient_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads)
+    norm = torch.nn.utils.get_total_norm(grads)
+    full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a norm over sharded gradients, reduced over ranks
+    return full_tensor() if full_tensor is not None else norm
 
 
 def clip_to_norm(parameters: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -1,0 +1,313 @@
+"""More than one process: data-parallel (DDP) and sharded (FSDP2) training, launched by ``torchrun``.
+
+memfit does not build a parallel engine; it uses PyTorch's own and gets the details right:
+
+- ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel` keeps a full replica per rank and all-reduces
+  the gradients. Memory per rank is a single process's (gradients live in DDP's buckets for the whole run:
+  ``gradient_as_bucket_view``), speed scales with the ranks minus the all-reduce that backward does not hide.
+- ``fsdp``: FSDP2 (:func:`torch.distributed.fsdp.fully_shard`, one group per transformer layer, then the root)
+  shards parameters, gradients and optimizer state: each rank holds ``1/N`` of them plus one layer gathered
+  at a time. It costs an all-gather of every layer in forward and again in backward, and a reduce-scatter of
+  the gradients: about 1.5x DDP's traffic. ``cpu_offload`` keeps the shards and the optimizer step on the
+  host (``CPUOffloadPolicy``): the least device memory, at the price of host-device copies every step.
+- ``auto``: FSDP when a replica would not fit the budget, else DDP.
+
+Rules every rank follows, so the ranks never disagree:
+
+- The effective batch is the *global* batch: one window of ``effective_batch`` samples per optimizer step,
+  the same windows a single process takes. Rank ``r`` takes samples ``r, r + N, ...`` of each window
+  (:func:`rank_chunks`), cut into the same number of micro-batches on every rank; a rank that runs out pads
+  with a copy of a sample whose label is ignored, which adds nothing to the loss or the gradients. Each
+  rank's loss is its share of the window's summed loss, scaled by N because DDP and FSDP average gradients:
+  the averaged gradient is exactly the single-process window gradient.
+- Gradients are synchronised once per optimizer step, in the window's last backward (:func:`gradient_sync`:
+  ``no_sync()`` for DDP, ``set_requires_gradient_sync(False)`` for FSDP2 on the others).
+- A stop signal received by any rank is agreed on at the next window boundary (one all-reduce of one number
+  per window, :func:`any_rank`), so all ranks save the same checkpoint and exit together.
+- Rank 0 alone prints and writes metrics, the summary and the model.
+
+Not supported: shrinking the micro-batch after an out-of-memory error (every rank would have to agree at
+the failing op); a distributed run stops with a message that says how to plan it instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit.config import TrainConfig
+from memfit.devices import Device
+from memfit.errors import ConfigError
+from memfit.models import transformer_layers
+
+STRATEGIES = ("none", "ddp", "fsdp", "auto")
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass(kw_only=True)
+class World:
+    """This process's place in the run."""
+
+    strategy: str = "none"
+    """``none``, ``ddp`` or ``fsdp`` (``auto`` is resolved before the world exists)."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    cpu_offload: bool = False
+    allreduce_seconds: float = 0.0
+    """DDP only: summed time the gradient buckets spent in flight (launch to completion), overlapping
+    backward; the part backward does not hide is what the scaling benchmark measures."""
+    _buckets: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+CANNOT_RECOVER = ("a distributed run cannot shrink its micro-batch on the fly (every rank would have to agree); "
+                  "plan it with memfit plan --gpus N --budget SIZE, or lower --micro-batch-size, or use "
+                  "--distributed fsdp")
+
+
+def launched_world_size() -> int:
+    """Processes in this launch: ``WORLD_SIZE`` as torchrun sets it, 1 without torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def for_launch(config: TrainConfig) -> TrainConfig:
+    """The training config with the world size torchrun launched; refuses a launch that does not match."""
+    launched = launched_world_size()
+    if launched > 1 and config.distributed == "none":
+        raise ConfigError(f"launched with {launched} processes but --distributed none; add --distributed ddp, "
+                          "fsdp or auto (or launch one process)")
+    if config.world_size not in (1, launched):
+        raise ConfigError(f"--world-size {config.world_size} but {launched} process(es) were launched; train "
+                          f"with torchrun --nproc-per-node {config.world_size} (--world-size is for memfit "
+                          "estimate and plan)")
+    return dataclasses.replace(config, world_size=launched) if launched > 1 else config
+
+
+def replica_config(config: TrainConfig) -> TrainConfig:
+    """One rank's share of a distributed run as a single-process run: its micro-batch and accumulation."""
+    return dataclasses.replace(config, distributed="none", world_size=1, cpu_offload=False,
+                               effective_batch=config.per_rank_batch,
+                               micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=None,
+                               budget=None, plan=None)
+
+
+def resolve_strategy(config: TrainConfig, device: Device) -> str:
+    """``auto``: FSDP when one rank's replica (estimated) would not fit the memory budget, else DDP."""
+    if config.distributed != "auto":
+        return config.distributed
+    budget = config.emulate_budget_bytes or device.total_memory_bytes
+    if budget is None:  # CPU without a budget: host memory is the limit, a replica is the simpler choice
+        return "ddp"
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memfit.devices import profile_for
+    from memfit.memory.estimate import estimate
+
+    with _disable_current_modes():
+        needed = estimate(replica_config(config), device=profile_for(device)).total_bytes
+    return "ddp" if needed <= budget else "fsdp"
+
+
+@contextlib.contextmanager
+def process_group(strategy: str, device_type: str, *, cpu_offload: bool = False) -> Iterator[World]:
+    """The run's world: the default process group of a torchrun launch (NCCL on CUDA, gloo on CPU).
+
+    Without torchrun a distributed strategy runs as a world of one (a real process group over an in-memory
+    store), so a one-process run takes exactly the code path of an N-process one.
+    """
+    if strategy == "none":
+        yield World()
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if launched:
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,  # type: ignore[attr-defined]
+                                timeout=TIMEOUT)
+    try:
+        yield World(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=local_rank, cpu_offload=cpu_offload)
+    finally:
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, world: World, *, low_precision: torch.dtype | None,
+         device: torch.device) -> nn.Module:
+    """The model as the strategy trains it. Techniques (freezing, checkpointing) are applied before this.
+
+    FSDP2: one ``fully_shard`` per transformer layer, then the root (embeddings and head), as the FSDP2 docs
+    order it; ``low_precision`` becomes a ``MixedPrecisionPolicy`` (parameters gathered in bf16/fp16, gradients
+    reduced in fp32), and autocast still runs around the forward as in a single process.
+    """
+    if world.strategy == "ddp":
+        model.to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True)
+        ddp.register_comm_hook(world, _timed_allreduce)
+        return ddp
+    if world.strategy == "fsdp":
+        return shard(model, device_mesh(device.type), low_precision=low_precision, cpu_offload=world.cpu_offload)
+    return model
+
+
+def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu_offload: bool) -> nn.Module:
+    """FSDP2 over ``mesh``: each transformer layer its own group, then the root (embeddings and head)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options: dict[str, Any] = {"mesh": mesh,
+                               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    if low_precision is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
+    for layer in transformer_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def device_mesh(device_type: str) -> Any:
+    """The 1-D mesh of all ranks (made outside any fake-tensor mode: it is real process-group state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Any]:
+    """A fake process group of ``world_size`` ranks, this process as rank 0, and its mesh: collectives return
+    at once and move no data, so one process can trace one rank's step (``memfit estimate --world-size``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    require_no_group("estimating a distributed run")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield device_mesh("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed_allreduce(world: World, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own averaging all-reduce, timed from launch to completion."""
+    started = time.perf_counter()
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    future = dist.all_reduce(buffer, async_op=True).get_future()  # type: ignore[union-attr,unused-ignore]
+
+    def finished(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        world.allreduce_seconds += time.perf_counter() - started
+        return done.value()[0]
+
+    return future.then(finished)
+
+
+# DDP checks a hook's annotations against the objects themselves; this module's are strings (PEP 563)
+_timed_allreduce.__annotations__.update(bucket=dist.GradBucket, world=World,  # type: ignore[attr-defined]
+                                        **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model itself (DDP's ``.module``; an FSDP2 model is its own module)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Run one micro-step's forward and backward with (``enabled``) or without the gradient reduction."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+        return
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:  # FSDP2
+        set_sync(enabled)
+    yield
+
+
+def rank_chunks(indices: list[int], size: int, world: World) -> tuple[list[list[int]], int]:
+    """This rank's share of ``indices`` cut into micro-batches of at most ``size``, and how many of them, at
+    the end, are padding (one sample the caller masks out).
+
+    Every rank gets the same number of micro-batches, so collectives (FSDP's all-gathers, the final
+    reduction) line up: ``ceil(ceil(len / N) / size)``.
+    """
+    share = indices[world.rank::world.world_size]
+    per_rank = -(-len(indices) // world.world_size)
+    count = -(-per_rank // size)
+    chunks = [share[start:start + size] for start in range(0, len(share), size)]
+    padding = count - len(chunks)
+    chunks.extend([[indices[0]]] * padding)
+    return chunks, padding
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank (one all-reduce of one number)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value)
+    return bool(value.item() > 0)
+
+
+def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sums over the ranks."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return [float(value) for value in tensor.tolist()]
+
+
+def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean over the ranks of a scalar tensor (a window loss), in place-free form."""
+    total = tensor.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def gather(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight, gathered on rank 0 and on the host (other ranks get ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]  # tensors only here
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return weights
+
+
+def require_no_group(what: str) -> None:
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError(f"{what} needs its own (fake) process group and one is already running; estimate "
+                          "before launching, or in a separate process")

@@ -1,0 +1,89 @@
+"""The distributed rules on a real (one-rank, gloo) process group: the window split, and gradients reduced only
+in a window's last backward, for DDP and for FSDP2."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from memfit import distributed
+from memfit.step import accumulate_window
+from memfit.techniques.precision import Precision
+from tests.conftest import build_tiny_bert
+
+
+class NoPhases:
+    def track(self, *tensors: torch.Tensor, category: str | None = None) -> None: ...
+
+    def track_module(self, module: torch.nn.Module) -> None: ...
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def micro_batches(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(5, 100, (2, 8), generator=generator),
+             "attention_mask": torch.ones(2, 8, dtype=torch.long),
+             "labels": torch.tensor([0, 1])} for _ in range(count)]
+
+
+@pytest.mark.parametrize(("length", "size", "expected"), [
+    (8, 2, ([[0, 2], [4, 6]], [[1, 3], [5, 7]], 0)),
+    (5, 1, ([[0], [2], [4]], [[1], [3], [0]], 1)),  # rank 1 pads its third micro-step (label masked)
+    (1, 4, ([[0]], [[0]], 1)),  # a window smaller than the ranks: rank 1 runs one padding micro-batch
+])
+def test_every_rank_gets_the_same_number_of_micro_batches(length: int, size: int,
+                                                          expected: tuple[Any, Any, int]) -> None:
+    window = list(range(length))
+    first, second, padding = expected
+    assert distributed.rank_chunks(window, size, distributed.World(strategy="ddp", rank=0, world_size=2)) == \
+        (first, 0)
+    assert distributed.rank_chunks(window, size, distributed.World(strategy="ddp", rank=1, world_size=2)) == \
+        (second, padding)
+
+
+def record_sync(model: torch.nn.Module, seen: list[bool], probe: Any) -> Any:
+    @contextlib.contextmanager
+    def sync(last: bool) -> Iterator[None]:
+        with distributed.gradient_sync(model, last):
+            yield
+        seen.append(probe())
+
+    return sync
+
+
+def test_ddp_reduces_gradients_only_in_the_last_micro_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    reductions = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reductions.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    with distributed.process_group("ddp", "cpu") as world:
+        model = distributed.wrap(build_tiny_bert(), world, low_precision=None, device=torch.device("cpu"))
+        monkeypatch.setattr(torch.distributed, "all_reduce", counting)
+        seen: list[bool] = []
+        accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
+                          device=torch.device("cpu"), phases=NoPhases(),
+                          sync=record_sync(model, seen, lambda: sum(reductions)))
+    trainable = sum(p.numel() for p in model.parameters())
+    assert seen == [0, 0, trainable]  # nothing reduced until the last backward, then every gradient once
+    assert world.allreduce_seconds > 0
+
+
+def test_fsdp_reduces_gradients_only_in_the_last_micro_step() -> None:
+    with distributed.process_group("fsdp", "cpu") as world:
+        model = distributed.wrap(build_tiny_bert(), world, low_precision=None, device=torch.device("cpu"))
+        sharded = [p for p in model.parameters() if p.requires_grad]
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in sharded)
+        seen: list[bool] = []
+        accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
+                          device=torch.device("cpu"), phases=NoPhases(),
+                          sync=record_sync(model, seen, lambda: any(p.grad is not None for p in sharded)))
+    assert seen == [False, False, True]  # unsharded gradients accumulate locally; one reduce-scatter at the end
