@@ -17,6 +17,13 @@ Modelled rather than traced: the GradScaler's found-inf check reads a value, so 
 scaler and add its state (scale, growth tracker, found-inf, inverse scale: four one-element tensors).
 ``non_pytorch_bytes`` is the CUDA context and library workspaces, from the
 device profile.
+
+One rank of N (``distributed``/``world_size``): FSDP2 is traced for real over a fake process group of N
+ranks (:func:`memfit.distributed.fake_world`; the mesh is made before the fake mode), with the engine's
+no-sync micro-steps; collectives complete at once there, so a real reduce-scatter that finishes late can keep
+up to one layer's buffer longer than the trace. DDP cannot be built on fake tensors: its persistent gradient
+buckets are modelled (:class:`DdpBuckets`). On CPU both equal a 2-process gloo run's per-rank tracked peak
+(DDP to the byte, FSDP to 8 bytes; tests/integration/test_distributed.py).
 """
 
 from __future__ import annotations
