@@ -38,7 +38,7 @@ import datetime
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +50,6 @@ from memfit.devices import Device
 from memfit.errors import ConfigError
 from memfit.models import transformer_layers
 
-STRATEGIES = ("none", "ddp", "fsdp", "auto")
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -67,7 +66,6 @@ class World:
     allreduce_seconds: float = 0.0
     """DDP only: summed time the gradient buckets spent in flight (launch to completion), overlapping
     backward; the part backward does not hide is what the scaling benchmark measures."""
-    _buckets: list[float] = field(default_factory=list, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -117,17 +115,13 @@ def resolve_strategy(config: TrainConfig, device: Device) -> str:
     """``auto``: FSDP when one rank's replica (estimated) would not fit the memory budget, else DDP."""
     if config.distributed != "auto":
         return config.distributed
-    budget = config.emulate_budget_bytes or device.total_memory_bytes
-    if budget is None:  # CPU without a budget: host memory is the limit, a replica is the simpler choice
-        return "ddp"
     from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.devices import profile_for
-    from memfit.memory.estimate import estimate
+    from memfit.memory.estimate import strategy_for
 
     with _disable_current_modes():
-        needed = estimate(replica_config(config), device=profile_for(device)).total_bytes
-    return "ddp" if needed <= budget else "fsdp"
+        return strategy_for(config, profile_for(device), config.emulate_budget_bytes)
 
 
 @contextlib.contextmanager

@@ -455,7 +455,7 @@ def evaluate(model: nn.Module, encoder: Encoder, num_examples: int, batch_size: 
     batches: Iterable[Batch]
     if world is not None and world.distributed:
         batches = rank_batches(encoder, list(range(num_examples)), batch_size, world)
-        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        model = distributed.unwrap(model)  # DDP's forward would sync buffers; FSDP2's gathers (it is its own)
     else:
         batches = (encoder(chunk) for chunk in cut(range(num_examples), batch_size))
     for host_batch in batches:

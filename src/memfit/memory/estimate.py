@@ -177,7 +177,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     tracker = StorageTracker(allocator=allocator, count_flops=count_flops)
     if execute and profile.kind != "cpu":
         raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
-    strategy = trace_strategy(config, profile)
+    strategy = strategy_for(config, profile)
     if strategy == "fsdp" and execute:
         raise ConfigError("execute=True measures one process; measure FSDP with torchrun (memfit train)")
     fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
@@ -336,14 +336,16 @@ class DdpBuckets:
             parameter.grad = view
 
 
-def trace_strategy(config: TrainConfig, profile: DeviceProfile) -> str:
-    """The strategy a distributed config runs: ``auto`` is FSDP when one rank's replica does not fit."""
+def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int | None = None) -> str:
+    """The strategy a distributed config runs: ``auto`` is FSDP when one rank's replica does not fit
+    ``budget_bytes`` (default: the card's memory; DDP where there is no fixed budget, as on CPU)."""
     if config.distributed != "auto":
         return config.distributed
-    if profile.kind != "cuda":
+    budget = budget_bytes or (profile.memory_bytes if profile.kind == "cuda" else None)
+    if budget is None:
         return "ddp"
     replica = estimate(distributed.replica_config(config), device=profile)
-    return "ddp" if replica.total_bytes <= profile.memory_bytes else "fsdp"
+    return "ddp" if replica.total_bytes <= budget else "fsdp"
 
 
 def synthetic_batch(spec: ModelSpec, batch_size: int, length: int) -> Batch:
