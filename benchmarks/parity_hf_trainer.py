@@ -40,10 +40,10 @@ from rich.console import Console
 from memfit import TrainConfig, train
 from memfit.build import Prepared, prepare
 from memfit.data import TextExamples
-from memfit.engine import evaluate
 from memfit.memory.tracker import StorageTracker
 from memfit.report import format_bytes
 from memfit.techniques.precision import Precision
+from memfit.windows import LocalWindows, evaluate
 
 WARMUP = 2
 
@@ -92,8 +92,9 @@ def trainer_run(config: TrainConfig, prepared: Prepared, directory: str, optim: 
         tracker.track_module(model)
         trainer.train()
     wall = time.perf_counter() - started
-    accuracy, _ = evaluate(model, prepared.encoder(prepared.val_examples), len(prepared.val_examples),
-                           config.eval_batch_size, Precision("fp32", "cpu"), torch.device("cpu"))
+    validation = LocalWindows(model, prepared.encoder(prepared.val_examples), precision=Precision("fp32", "cpu"),
+                              scaler=None, device=torch.device("cpu"), phases=tracker, stop_requested=lambda: False)
+    accuracy, _ = evaluate(validation, len(prepared.val_examples), config.eval_batch_size)
     return {"seconds": times.seconds, "peak_bytes": tracker.peak_bytes, "val_accuracy": accuracy,
             "samples_per_second_run": len(dataset) / wall, "optimizer": arguments.optim}
 

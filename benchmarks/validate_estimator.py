@@ -70,6 +70,8 @@ def cuda_grid(name: str) -> list[Case]:
     shapes = text + vision
     precisions = ("fp32", "fp16", "bf16")
     checkpointing = ("none", "full")
+    if name == "tiny":
+        return []
     if name == "small":
         shapes = [("bert-base", 8, 128), ("bert-large", 8, 512), ("vit-base", 8, 224)]
     return [Case(model, batch, length, precision, ckpt) for model, batch, length in shapes
@@ -167,7 +169,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grid", choices=("small", "full"), default="small")
+    parser.add_argument("--grid", choices=("tiny", "small", "full"), default="small",
+                        help="the CUDA setups; tiny: none (a dry run measures only its CPU grid) [small]")
     parser.add_argument("--dry-run", action="store_true", help="no CUDA: measure on CPU, predict the CUDA grid")
     parser.add_argument("--device", default="1080ti", help="profile predicted in a dry run [1080ti]")
     parser.add_argument("--memory-gib", type=float, help="cap this process's CUDA memory (e.g. 11 for a 1080 Ti)")

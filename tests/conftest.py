@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ import torch
 import transformers
 
 from memfit.config import TrainConfig
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and per CLI it starts): no oversubscription
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 TINY_BERT: dict[str, Any] = {
     "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30522, "hidden_size": 32,
@@ -112,3 +117,13 @@ def build_tiny_bert(num_labels: int = 2, **overrides: Any) -> transformers.PreTr
     torch.manual_seed(0)
     config = transformers.BertConfig(**{**TINY_BERT, **overrides}, num_labels=num_labels)
     return transformers.BertForSequenceClassification(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need a CUDA device: skipped, with the reason shown, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a machine that has one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -34,7 +34,6 @@ about 3x the fp32 parameter bytes for AdamW; ``--save-every`` sets how often tha
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -43,7 +42,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -67,39 +66,13 @@ NOT_LEARNING = ("output_dir", "resume", "overwrite", "save_every", "keep_last", 
 
 
 @dataclass(kw_only=True)
-class Progress:
-    """Where a run is and what it has logged: everything the loop carries from one step to the next."""
-
-    epoch: int = 1
-    """The epoch being trained (from 1)."""
-    offset: int = 0
-    """Samples of this epoch's order already consumed by finished optimizer steps."""
-    micro_steps_done: int = 0
-    """Micro-steps of the current window already accumulated into ``.grad`` (mid-window checkpoints only)."""
-    step: int = 0
-    optimizer_steps: int = 0
-    consecutive_nonfinite: int = 0
-    epochs_completed: int = 0
-    samples_seen: int = 0
-    train_seconds: float = 0.0
-    logged_loss: float = 0.0
-    logged_items: int = 0
-    last_loss: float = float("nan")
-    micro_batch_size: int = 1
-    eval_batch_size: int = 1
-    skipped: list[dict[str, Any]] = field(default_factory=list)
-    evaluations: list[dict[str, Any]] = field(default_factory=list)
-    oom_recoveries: list[dict[str, Any]] = field(default_factory=list)
-    metrics_bytes: int = 0
-    """Length of ``metrics.jsonl`` at the save: a resume cuts what a killed run wrote after it."""
-
-
-@dataclass(kw_only=True)
 class Checkpoint:
     """A loaded checkpoint: ``state`` is what ``state.pt`` held, ``weights`` and ``grads`` are tensors."""
 
     path: Path
-    progress: Progress
+    progress: dict[str, Any]
+    """What ``progress.json`` holds: the run's state (:class:`memfit.run_state.RunState`), the OOM-adjusted batch
+    sizes and events, the length of ``metrics.jsonl`` at the save."""
     config: dict[str, Any]
     architecture: dict[str, Any]
     state: dict[str, Any]
@@ -198,12 +171,12 @@ def clear_run(output_dir: Path) -> None:
             target.unlink()
 
 
-def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], progress: Progress,
+def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], progress: dict[str, Any],
          config: dict[str, Any], keep_last: int, grads: dict[str, torch.Tensor] | None = None) -> Path:
     """Write one checkpoint atomically, then keep only the newest ``keep_last``; returns its path."""
     root = output_dir / DIRECTORY
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{progress.step:08d}" + (f"-micro-{progress.micro_steps_done}" if grads else "")
+    name = f"step-{progress['step']:08d}" + (f"-micro-{progress['micro_steps_done']}" if grads else "")
     final = root / name
     temporary = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
@@ -212,7 +185,7 @@ def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], pro
     if grads:
         save_file({key: value.contiguous() for key, value in grads.items()}, str(temporary / GRADS))
     torch.save(state, temporary / STATE)
-    payload = {"format": FORMAT, "progress": dataclasses.asdict(progress), "config": config,
+    payload = {"format": FORMAT, "progress": progress, "config": config,
                "architecture": architecture(model)}
     (temporary / PROGRESS).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     _complete(temporary, final)
@@ -221,7 +194,8 @@ def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], pro
 
 
 def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 state: dict[str, Any], progress: Progress, config: dict[str, Any], model_architecture: dict[str, Any],
+                 state: dict[str, Any], progress: dict[str, Any], config: dict[str, Any],
+                 model_architecture: dict[str, Any],
                  keep_last: int, rank: int, world_size: int, rng: dict[str, Any]) -> Path:
     """A distributed run's checkpoint, written by every rank together (a collective); returns its path.
 
@@ -233,7 +207,7 @@ def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
     from torch.distributed.checkpoint.state_dict_saver import save as save_shards
 
     root = output_dir / DIRECTORY
-    name = f"step-{progress.step:08d}"
+    name = f"step-{progress['step']:08d}"
     final = root / name
     temporary = root / f".tmp-{name}-sharded"
     if rank == 0:
@@ -247,7 +221,7 @@ def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
     dist.barrier()  # every rank's files are written
     if rank == 0:
         torch.save(state, temporary / STATE)
-        payload = {"format": FORMAT, "progress": dataclasses.asdict(progress), "config": config,
+        payload = {"format": FORMAT, "progress": progress, "config": config,
                    "architecture": model_architecture, "world_size": world_size}
         (temporary / PROGRESS).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
         _complete(temporary, final)
@@ -346,7 +320,7 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path / STATE}: cannot be read ({str(error).splitlines()[0]}); delete {path} and "
                               "resume from an earlier checkpoint") from None
     sharded = (path / SHARDED).is_dir()
-    return Checkpoint(path=path, progress=Progress(**payload["progress"]), config=payload["config"],
+    return Checkpoint(path=path, progress=payload["progress"], config=payload["config"],
                       architecture=payload["architecture"], state=state,
                       weights={} if sharded else load_file(str(path / WEIGHTS)),
                       grads=load_file(str(path / GRADS)) if (path / GRADS).is_file() else {},

@@ -145,8 +145,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                                         f"[{defaults.model}]")
     target.add_argument("--seq-len", type=int, help=f"tokens per text [{defaults.max_length}]")
     target.add_argument("--image-size", type=int, help="image size [the model's]")
-    target.add_argument("--effective-batch", type=int, default=32, help="samples per optimizer step; never "
-                                                                         "changed by the plan [32]")
+    target.add_argument("--effective-batch", type=int, help="samples per optimizer step; never changed by the "
+                                                            f"plan [{defaults.effective_batch}]")
     target.add_argument("--num-labels", type=int, default=2, help="classes of the task head [2]")
     budget = parser.add_argument_group("the budget")
     budget.add_argument("--device", default="1080ti", help=f"device profile ({', '.join(PROFILES)}) or a "
@@ -487,7 +487,7 @@ def print_estimate(console: Console, result: Any) -> None:
     table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))
     console.print(table)
     phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in result.phases.items())
-    console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})")
+    console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})", soft_wrap=True)
     if result.fits is None:
         console.print("target: cpu (no fixed memory budget)")
     else:

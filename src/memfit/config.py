@@ -10,20 +10,14 @@ training starts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import ConfigError, Problems
+from memfit.files import load_option_file
 from memfit.units import parse_bytes
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 CHECKPOINTING = ("none", "full", "every-n")
@@ -162,9 +156,8 @@ class TrainConfig:
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
         _check_distributed(problems, self)
-        if self.device not in DEVICES and not _is_gpu_profile(self.device):
-            problems.add(f"--device {self.device!r} is not one of: {', '.join(DEVICES)}, or a GPU profile to plan "
-                         "for (memfit devices)")
+        if self.device not in DEVICES:
+            problems.lines.extend(_gpu_profile_problems(self.device))
         for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
                      "max_nonfinite_steps", "growth_interval"):
             _check_positive(problems, name, getattr(self, name))
@@ -288,11 +281,18 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
 
 
-def _is_gpu_profile(name: str) -> bool:
-    from memfit.devices import ALIASES, PROFILES
+def _gpu_profile_problems(name: str) -> list[str]:
+    """What is wrong with ``--device NAME`` as a GPU to plan for: a built-in profile or a profile file."""
+    from memfit.devices import resolve_profile
 
-    profile = PROFILES.get(ALIASES.get(name.lower(), name))
-    return profile is not None and profile.kind == "cuda"
+    try:
+        profile = resolve_profile(name)
+    except ConfigError as error:
+        if Path(name).suffix in (".toml", ".json"):
+            return error.problems
+        return [f"--device {name!r} is not one of: {', '.join(DEVICES)}, or a GPU profile to plan for "
+                "(memfit devices) or a .toml/.json profile file"]
+    return [] if profile.kind == "cuda" else [f"--device {name!r} is not a GPU profile; use --device cpu"]
 
 
 def _check_choice(problems: Problems, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -327,31 +327,5 @@ def from_mapping(values: dict[str, Any], *, base: TrainConfig | None = None) -> 
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    """Read a TOML, YAML or JSON config file into a mapping of option names to values."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--config {path}: no such file; check the path")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--config {path}: cannot read it ({error}); pass a readable UTF-8 text file") from None
-    try:
-        if file.suffix == ".toml":
-            loaded: Any = tomllib.loads(text)
-        elif file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            loaded = yaml.safe_load(text) or {}
-        elif file.suffix == ".json":
-            loaded = json.loads(text)
-        else:
-            raise ConfigError(f"--config {path}: use a .toml, .yaml/.yml or .json file")
-    except ConfigError:
-        raise
-    except Exception as error:  # each parser has its own error type; all mean the same to the user
-        raise ConfigError(f"--config {path}: cannot parse: {str(error).splitlines()[0]}; fix the syntax "
-                          "there") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"--config {path}: expected a table of option = value")
-    section = loaded.get("train", loaded)
-    return dict(section)
+    """Read a TOML, YAML or JSON run config (its ``[train]`` table, if it has one) into option names and values."""
+    return load_option_file(path, flag="--config")

@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 
 from memfit.errors import ConfigError
+from memfit.files import load_option_file
 
 NATIVE_BF16_CAPABILITY = (8, 0)
+PCIE3_BANDWIDTH = 12e9
+"""Achievable bytes per second of PCIe 3.0 x16: the default link and host bandwidth of a profile."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,12 +58,43 @@ def resolve_device(requested: str) -> Device:
                           "(or plan for a card without one: memfit plan --device NAME)")
     index = torch.cuda.current_device()
     properties = torch.cuda.get_device_properties(index)
-    return Device(
-        kind="cuda",
-        name=properties.name,
-        compute_capability=(properties.major, properties.minor),
-        total_memory_bytes=properties.total_memory,
-    )
+    capability = (properties.major, properties.minor)
+    problem = torch_arch_problem(capability, properties.name)
+    if problem is not None:
+        raise ConfigError(problem)
+    return Device(kind="cuda", name=properties.name, compute_capability=capability,
+                  total_memory_bytes=properties.total_memory)
+
+
+LEGACY_TORCH = "pip install 'torch==2.14.*' --index-url https://download.pytorch.org/whl/cu126"
+"""The last torch builds with kernels for cards before Turing (Maxwell, Pascal, Volta): CUDA 12.6 wheels, which
+end with torch 2.14; CUDA 12.8+ and 13.x builds start at sm_75."""
+
+
+def torch_arch_problem(capability: tuple[int, int], name: str, arch_list: list[str] | None = None) -> str | None:
+    """Why the installed torch cannot run on a card of ``capability`` (one line naming the fix), or ``None``.
+
+    A build runs on a card when it carries machine code of the same major version and an equal or lower minor
+    (``sm_60`` runs on a 6.1 card) or PTX of an equal or lower version, which the driver compiles on load.
+    ``arch_list`` defaults to ``torch.cuda.get_arch_list()``; an empty one (a CPU build) says nothing.
+    """
+    arches = torch.cuda.get_arch_list() if arch_list is None else arch_list
+    if not arches:
+        return None
+    for arch in arches:
+        kind, _, digits = arch.partition("_")
+        digits = digits.rstrip("abf")  # sm_90a, sm_100f: feature-specific variants of the same version
+        if not digits.isdigit():
+            continue
+        version = (int(digits[:-1]), int(digits[-1]))
+        if (kind == "sm" and version[0] == capability[0] and version[1] <= capability[1]) or (
+                kind == "compute" and version <= capability):
+            return None
+    major, minor = capability
+    fix = (f"install a CUDA 12.6 build of torch 2.14, the last with kernels for it: {LEGACY_TORCH}"
+           if capability < (7, 5) else "install a torch build for CUDA 12.8 or newer")
+    return (f"the installed torch {torch.__version__} has no CUDA kernels for {name} (sm_{major}{minor}; it "
+            f"carries {', '.join(arches)}); {fix}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,10 +122,10 @@ class DeviceProfile:
     op_overhead_s: float = 5e-6
     """Host time per ATen op of an eager step (Python, dispatcher, kernel launch): what makes small
     micro-batches slow. The planner's cost model charges it for every op a step dispatches."""
-    link_bandwidth: float = 12e9
+    link_bandwidth: float = PCIE3_BANDWIDTH
     """Bytes per second one rank's collectives move between cards of this kind in one machine (bus bandwidth:
     NVLink where such cards have it, else PCIe): what DDP's all-reduce and FSDP's gathers cost."""
-    host_bandwidth: float = 12e9
+    host_bandwidth: float = PCIE3_BANDWIDTH
     """Bytes per second between the card and host memory (PCIe): what FSDP's CPU offload pays."""
 
     def flops_for(self, precision: str) -> float:
@@ -185,7 +219,7 @@ def resolve_profile(name: str) -> DeviceProfile:
     if name in PROFILES:
         return PROFILES[name]
     path = Path(name)
-    if path.suffix in (".toml", ".json") and path.is_file():
+    if path.suffix in (".toml", ".json"):
         return _profile_from_file(path)
     raise ConfigError(f"--device {name!r} is not a known device (known: {', '.join(PROFILES)}) "
                       "nor a .toml/.json profile file")
@@ -217,9 +251,7 @@ def _model_token(profile: DeviceProfile) -> str:
 
 
 def _profile_from_file(path: Path) -> DeviceProfile:
-    from memfit.config import load_config_file
-
-    raw = load_config_file(str(path))
+    raw = load_option_file(str(path), flag="--device", section=None)
     fields = {"name", "description", "memory_bytes", "compute_capability", "fp32_flops", "fp16_flops",
               "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "op_overhead_s",
               "link_bandwidth", "host_bandwidth"}
@@ -236,4 +268,6 @@ def _profile_from_file(path: Path) -> DeviceProfile:
         bf16_flops=float(raw.get("bf16_flops", 0.0)), memory_bandwidth=float(raw.get("memory_bandwidth", 0.0)),
         tensor_cores=bool(raw.get("tensor_cores", False)),
         non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)),
-        op_overhead_s=float(raw.get("op_overhead_s", 5e-6)))
+        op_overhead_s=float(raw.get("op_overhead_s", 5e-6)),
+        link_bandwidth=float(raw.get("link_bandwidth", PCIE3_BANDWIDTH)),
+        host_bandwidth=float(raw.get("host_bandwidth", PCIE3_BANDWIDTH)))

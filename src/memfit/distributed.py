@@ -46,7 +46,6 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.config import TrainConfig
-from memfit.devices import Device
 from memfit.errors import ConfigError
 from memfit.models import transformer_layers
 
@@ -74,6 +73,12 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def device_for(self, kind: str) -> torch.device:
+        """This process's device of ``kind``: a distributed rank's own GPU is the one of its local rank."""
+        if kind == "cuda" and self.distributed:
+            return torch.device("cuda", self.local_rank)
+        return torch.device(kind)
 
 
 CANNOT_RECOVER = ("a distributed run cannot shrink its micro-batch on the fly (every rank would have to agree); "
@@ -109,19 +114,6 @@ def replica_config(config: TrainConfig) -> TrainConfig:
                                effective_batch=config.per_rank_batch,
                                micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=None,
                                budget=None, plan=None)
-
-
-def resolve_strategy(config: TrainConfig, device: Device) -> str:
-    """``auto``: FSDP when one rank's replica (estimated) would not fit the memory budget, else DDP."""
-    if config.distributed != "auto":
-        return config.distributed
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from memfit.devices import profile_for
-    from memfit.memory.estimate import strategy_for
-
-    with _disable_current_modes():
-        return strategy_for(config, profile_for(device), config.emulate_budget_bytes)
 
 
 @contextlib.contextmanager
@@ -162,7 +154,7 @@ def wrap(model: nn.Module, world: World, *, low_precision: torch.dtype | None,
     if world.strategy == "ddp":
         model.to(device)
         ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+            model, device_ids=[world.local_rank] if device.type == "cuda" else None,  # this rank's own GPU
             gradient_as_bucket_view=True)
         ddp.register_comm_hook(world, _timed_allreduce)
         return ddp

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.quiet import quiet_imports
 
 # Offline by construction: transformers must never reach for a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,7 +69,9 @@ class ModelSpec:
     weights_dir: Path | None
     """Directory holding pretrained weights, or ``None`` for a random init."""
     tokenizer_dir: Path | None
-    """Directory holding the tokenizer files (text models)."""
+    """Directory holding the model's own tokenizer files; ``None`` for vision models and for text models
+    without one, which use the packaged MiniLM WordPiece vocabulary (needed only when text is tokenised, so
+    estimating and planning a preset works without that package)."""
     head_labels: int | None
     """Number of labels of a classification head that the checkpoint already has, else ``None``."""
 
@@ -100,9 +103,7 @@ def resolve_model(name: str) -> ModelSpec:
     if name == "minilm":
         return _from_directory(name, packaged_minilm_dir())
     if name in PRESET_CONFIGS:
-        config = PRESET_CONFIGS[name]()
-        tokenizer_dir = None if hasattr(config, "image_size") else packaged_minilm_dir()
-        return ModelSpec(name=name, hf_config=config, weights_dir=None, tokenizer_dir=tokenizer_dir,
+        return ModelSpec(name=name, hf_config=PRESET_CONFIGS[name](), weights_dir=None, tokenizer_dir=None,
                          head_labels=None)
     path = Path(name).expanduser()
     if path.is_dir():
@@ -130,11 +131,10 @@ def _from_directory(name: str, path: Path) -> ModelSpec:
         path / "tokenizer_config.json").is_file()
     architectures = config.architectures or []
     has_head = has_weights and any(arch.endswith(HEAD_SUFFIXES) for arch in architectures)
-    tokenizer_dir: Path | None = None
-    if not hasattr(config, "image_size"):
-        tokenizer_dir = path if has_tokenizer else packaged_minilm_dir()
+    own_tokenizer = has_tokenizer and not hasattr(config, "image_size")
     return ModelSpec(name=name, hf_config=config, weights_dir=path if has_weights else None,
-                     tokenizer_dir=tokenizer_dir, head_labels=config.num_labels if has_head else None)
+                     tokenizer_dir=path if own_tokenizer else None,
+                     head_labels=config.num_labels if has_head else None)
 
 
 def check_compatible(spec: ModelSpec, *, max_length: int, vocab_size: int | None) -> list[str]:
@@ -156,6 +156,7 @@ def check_compatible(spec: ModelSpec, *, max_length: int, vocab_size: int | None
 def build_model(spec: ModelSpec, *, label_names: list[str],
                 pad_token_id: int | None = None) -> transformers.PreTrainedModel:
     """Build the model with a classification head for ``label_names`` (pretrained body when available)."""
+    quiet_imports()  # before transformers imports its optional quantization libraries on its own
     num_labels = len(label_names)
     head_kwargs: dict[str, Any] = {
         "num_labels": num_labels,
@@ -212,6 +213,6 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def load_tokenizer(spec: ModelSpec) -> Any:
     """The tokenizer of a text model (its own, or the packaged WordPiece one for config-only models)."""
-    assert spec.tokenizer_dir is not None, "vision models have no tokenizer"
-    return transformers.AutoTokenizer.from_pretrained(str(spec.tokenizer_dir))
+    assert spec.modality == "text", "vision models have no tokenizer"
+    return transformers.AutoTokenizer.from_pretrained(str(spec.tokenizer_dir or packaged_minilm_dir()))
 

@@ -138,18 +138,24 @@ class Candidate:
     reason: str = ""
     relative_speed: float | None = None
     """Predicted samples/s relative to the chosen setup."""
+    world_size: int = 1
+    """Ranks whose windows make one optimizer step (1 unless the family is distributed)."""
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks: ``predicted_samples_per_second`` counts them all."""
+        return self.micro_batch_size * self.accumulation_steps * self.world_size
 
     def to_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps,
                 "precision": self.family.precision, "checkpointing": self.family.checkpointing,
                 "optimizer": self.family.optimizer_label, "foreach": self.family.foreach,
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
-                "distributed": self.family.strategy,
+                "distributed": self.family.strategy, "world_size": self.world_size,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
-                "predicted_optimizer_steps_per_second": self.predicted_samples_per_second
-                / (self.micro_batch_size * self.accumulation_steps),
+                "predicted_optimizer_steps_per_second": self.predicted_samples_per_second / self.global_batch,
                 "relative_speed": self.relative_speed, "exact": self.exact, "fits": self.fits,
                 "reason": self.reason}
 
@@ -293,7 +299,8 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
                      predicted_samples_per_second=raw["predicted_samples_per_second"], exact=raw["exact"],
-                     fits=raw["fits"], reason=raw["reason"], relative_speed=raw["relative_speed"])
+                     fits=raw["fits"], reason=raw["reason"], relative_speed=raw["relative_speed"],
+                     world_size=raw.get("world_size", 1))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -390,6 +397,9 @@ class _Search:
         self.considered: list[Family] = []
         """Every family searched, traced or not."""
 
+    def ranks(self, family: Family) -> int:
+        return self.world_size if family.ranks else 1
+
     # --- tracing ---
     def trace(self, family: Family, micro: int, *, accumulate: bool, lean: bool = False) -> Estimate:
         """A trace; ``accumulate``: windows of two micro-steps (exact for any accumulation >= 2, with the
@@ -399,7 +409,7 @@ class _Search:
         lean = lean and accumulate  # a window of one micro-batch is lean already
         key = (family, micro, accumulate, lean)
         if key not in self.traces:
-            ranks = self.world_size if family.ranks else 1
+            ranks = self.ranks(family)
             config = family.configure(self.base, micro_batch_size=micro,
                                       effective_batch=(2 * micro if accumulate else micro) * ranks)
             shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
@@ -445,7 +455,7 @@ class _Search:
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
-                              fits=peak <= self.usable)
+                              fits=peak <= self.usable, world_size=self.ranks(family))
         self.candidates[(family, micro)] = candidate
         return candidate
 
@@ -694,11 +704,11 @@ def _rank(search: _Search, chosen: Candidate | None, *, allowed: Callable[[Famil
     for family in search.considered:
         if family in search.lines:
             continue
-        best_case = search.effective / search.lower_bound_seconds(family)
+        best_case = search.global_batch / search.lower_bound_seconds(family)  # samples of all ranks, as above
         pruned.append(Candidate(family=family, micro_batch_size=search.effective, accumulation_steps=1,
                                 predicted_peak_bytes=None, predicted_allocated_bytes=None, peak_phase=None,
                                 predicted_samples_per_second=best_case, exact=False, fits=None,
-                                reason="not traced: cannot beat the chosen"))
+                                reason="not traced: cannot beat the chosen", world_size=search.ranks(family)))
     ranked = fitting + rest + pruned
     for candidate in ranked:
         if reference:

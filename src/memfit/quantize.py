@@ -38,6 +38,7 @@ from memfit.config import TrainConfig, from_mapping
 from memfit.data.batches import Encoder, cut
 from memfit.errors import ConfigError
 from memfit.models import build_model
+from memfit.quiet import NOISY_LOGGERS, raised_loggers
 from memfit.step import loss_sum
 
 METHODS = ("int8-dynamic", "int8-weight-only")
@@ -54,7 +55,7 @@ def quantize_model(model: nn.Module, method: str) -> str:
         raise ConfigError(f"{type(model).__name__} has no Linear layers; int8 quantization here applies to "
                           "Linear layers only")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), raised_loggers(*NOISY_LOGGERS):
             warnings.simplefilter("ignore")
             from torchao.quantization import (
                 Int8DynamicActivationInt8WeightConfig,

@@ -1,4 +1,5 @@
-"""The pieces of a training step shared by the engine and the estimator.
+"""The pieces of a training step shared by the engine and the estimator: the window's forward and backward
+(:func:`accumulate_window`) and the optimizer step (:func:`optimizer_step`).
 
 The loss is a *sum* over the micro-batch's labelled items, divided by the item count of the whole window,
 so that accumulating ``k`` micro-batches gives exactly the gradient of one batch of the window's size, also
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.batches import Batch
+from memfit.techniques.optim import advance_schedule
 from memfit.techniques.precision import Precision
+from memfit.techniques.stability import StepCheck, guarded_step, read_values
 
 IGNORE_INDEX = -100
 
@@ -86,3 +89,25 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
         if should_stop is not None and done < len(micro_batches) and should_stop():
             break
     return window_loss, done
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, trained: list[tuple[str, nn.Parameter]],
+                   window_loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None, max_grad_norm: float | None,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None, phases: PhaseTracker,
+                   read: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]] = read_values,
+                   after_update: Callable[[], None] | None = None) -> StepCheck:
+    """The optimizer's half of a window, in the ``optimizer`` phase: unscale, check, clip and step (skipped when
+    the loss or the gradients are not finite), free the gradients, advance the schedule.
+
+    The engine and the estimator both run it (the estimator with ``read=assume_finite`` on fake tensors and
+    ``after_update`` labelling the optimizer state it just created). The caller drops ``window_loss`` after
+    this returns, so it does not live into the next window.
+    """
+    with phases.phase("optimizer"):
+        check = guarded_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=max_grad_norm, read=read)
+        if after_update is not None:
+            after_update()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            advance_schedule(scheduler)  # once per optimizer step, applied or skipped
+    return check

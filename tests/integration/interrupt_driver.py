@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 import memfit.checkpoints
-import memfit.engine
 import memfit.step
+import memfit.windows
 from memfit.cli import main
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
@@ -51,7 +51,7 @@ def install() -> None:
         memfit.checkpoints._fsync = fsync
     probe = os.environ.get("PROBE")
     if probe:
-        real_cut = memfit.engine.cut
+        real_cut = memfit.windows.cut
 
         def cut(indices: Any, size: int) -> Any:
             if isinstance(indices, list):  # a training window (evaluation cuts a range)
@@ -59,7 +59,7 @@ def install() -> None:
                     file.write(json.dumps(indices) + "\n")
             return real_cut(indices, size)
 
-        memfit.engine.cut = cut
+        memfit.windows.cut = cut
 
 
 if __name__ == "__main__":

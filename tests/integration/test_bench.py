@@ -12,7 +12,9 @@ import pytest
 from memfit.config import TrainConfig
 from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
-from tests.integration.test_cli import memfit
+from tests.helpers import memfit
+
+pytestmark = pytest.mark.xdist_group("bench")  # its tests share one module-scoped run
 
 REQUIRED = {"setup", "accuracy_neutral", "micro_batch_size", "accumulation_steps", "peak_memory_bytes",
             "predicted_peak_bytes", "samples_per_second", "optimizer_steps_per_second", "val_accuracy",

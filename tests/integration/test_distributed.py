@@ -22,7 +22,10 @@ import torch
 from memfit.cli import main
 from memfit.config import TrainConfig
 from memfit.memory.estimate import estimate
-from tests.conftest import load_weights, write_long_text_task
+from tests.conftest import write_long_text_task
+from tests.helpers import assert_weights_close, train_losses
+
+pytestmark = pytest.mark.xdist_group("distributed")  # its tests share module-scoped runs
 
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
 TRAINING_PHASES = ("forward", "backward", "optimizer")
@@ -42,18 +45,6 @@ def torchrun(args: list[str], *, interrupt: str = "") -> subprocess.CompletedPro
     env = {**os.environ, "INTERRUPT": interrupt, "INTERRUPT_RANK": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            *target, *args], capture_output=True, text=True, env=env, timeout=300)
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if line["type"] == "train"]
-
-
-def assert_weights_close(run_dir: Path, ref_dir: Path, *, atol: float) -> None:
-    weights, ref = load_weights(run_dir), load_weights(ref_dir)
-    assert weights.keys() == ref.keys()
-    for name in weights:
-        torch.testing.assert_close(weights[name], ref[name], atol=atol, rtol=0, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -105,18 +96,24 @@ def test_ddp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path]
     assert (summary["micro_batch_size"], summary["accumulation_steps"], summary["effective_batch_size"]) == (2, 2, 8)
     assert summary["allreduce_seconds"] > 0
     assert_weights_close(out, single, atol=1e-6)
-    assert losses(out) == pytest.approx(losses(single), abs=1e-6)  # one metrics line per step, from rank 0
+    assert train_losses(out) == pytest.approx(train_losses(single), abs=1e-6)  # one metrics line per step, from rank 0
     assert summary["val_accuracy"] == json.loads((single / "summary.json").read_text())["val_accuracy"]
     # the estimate is each rank's tracked peak, to the byte
     assert summary["per_rank_training_peak_bytes"] == [per_rank_estimate(task, "ddp")] * 2
 
 
-def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path], single: Path,
-                                                          work: Path) -> None:
+@pytest.fixture(scope="module")
+def fsdp_run(task: tuple[Path, Path], work: Path) -> tuple[Path, dict[str, Any]]:
+    """An uninterrupted FSDP run on two ranks, saving every 2 steps: (its directory, its summary)."""
     out = work / "fsdp"
     result = torchrun(train_args(task, out, "--distributed", "fsdp", "--save-every", "2", "--json"))
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = summary_of(result)
+    return out, summary_of(result)
+
+
+def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path], single: Path,
+                                                          fsdp_run: tuple[Path, dict[str, Any]]) -> None:
+    out, summary = fsdp_run
     assert (summary["world_size"], summary["distributed"]) == (2, "fsdp")
     assert_weights_close(out, single, atol=1e-6)
     predicted = per_rank_estimate(task, "fsdp")
@@ -133,10 +130,8 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path
 
 
 def test_sigterm_to_one_rank_stops_both_and_the_sharded_checkpoint_resumes_exactly(
-        task: tuple[Path, Path], work: Path) -> None:
-    reference = work / "fsdp"  # the uninterrupted run of the test above
-    if not (reference / "summary.json").is_file():
-        pytest.skip("needs the FSDP run of test_fsdp_on_two_ranks_trains_what_one_process_trains")
+        task: tuple[Path, Path], work: Path, fsdp_run: tuple[Path, dict[str, Any]]) -> None:
+    reference, _ = fsdp_run
     out = work / "fsdp-stopped"
     args = train_args(task, out, "--distributed", "fsdp", "--save-every", "2")
     first = torchrun(args, interrupt="term:5")  # rank 1, forward 5: in window 3 (2 micro-steps per window)
@@ -151,7 +146,7 @@ def test_sigterm_to_one_rank_stops_both_and_the_sharded_checkpoint_resumes_exact
 
     second = torchrun([*args, "--resume"])
     assert second.returncode == 0, second.stderr[-3000:]
-    assert losses(out) == losses(reference)
+    assert train_losses(out) == train_losses(reference)
     assert_weights_close(out, reference, atol=0)  # bit for bit
 
     # the same checkpoint on one process: the loader reshards the 2-rank state

@@ -9,7 +9,7 @@ from pathlib import Path
 from memfit import TrainConfig
 from memfit.memory.estimate import estimate
 from tests.conftest import TINY_BERT, write_model_dir
-from tests.integration.test_cli import memfit
+from tests.helpers import memfit
 
 JSON_KEYS = {"peak_bytes", "peak_reserved_bytes", "non_pytorch_bytes", "breakdown", "phases", "device", "fits",
              "config", "seconds"}

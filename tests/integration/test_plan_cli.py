@@ -10,7 +10,7 @@ import pytest
 from memfit.config import TrainConfig
 from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
-from tests.integration.test_cli import memfit
+from tests.helpers import memfit
 
 PLAN_KEYS = {"chosen", "candidates", "budget_bytes", "device"}
 CHOSEN_KEYS = {"micro_batch_size", "accumulation_steps", "precision", "checkpointing", "optimizer",

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-import memfit.engine
+import memfit.windows
 from memfit.checkpoints import complete_checkpoints
 from memfit.cli import main
-from tests.conftest import TINY_BERT, load_weights, write_model_dir
+from tests.conftest import TINY_BERT, write_model_dir, write_reviews
+from tests.helpers import assert_weights_close, read_metrics
 
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
 TIMING = ("samples_per_second", "step_seconds", "memory_bytes", "peak_memory_bytes", "rss_bytes")
@@ -52,24 +52,42 @@ def driver(args: list[str], *, interrupt: str = "", probe: Path) -> subprocess.C
                           timeout=600)
 
 
-def reference(args: list[str], probe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_cut = memfit.engine.cut
+class References:
+    """Uninterrupted runs, one per set of options, made on first use and shared by the tests of this module:
+    (the run's directory, the probe file of its windows)."""
 
-    def cut(indices: Any, size: int) -> Any:
-        if isinstance(indices, list):
-            with probe.open("a") as file:
-                file.write(json.dumps(indices) + "\n")
-        return real_cut(indices, size)
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[tuple[str, ...], tuple[Path, Path]] = {}
 
-    with monkeypatch.context() as patch:
-        patch.setattr(memfit.engine, "cut", cut)
-        assert main(args) == 0
+    def get(self, model: Path, data: Path, extra: list[str]) -> tuple[Path, Path]:
+        key = (str(model), str(data), *extra)
+        if key not in self.runs:
+            out = self.root / f"ref-{len(self.runs)}"
+            probe = self.root / f"ref-{len(self.runs)}.probe"
+            real_cut = memfit.windows.cut
+
+            def cut(indices: Any, size: int) -> Any:
+                if isinstance(indices, list):
+                    with probe.open("a") as file:
+                        file.write(json.dumps(indices) + "\n")
+                return real_cut(indices, size)
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(memfit.windows, "cut", cut)
+                assert main(train_args(model, data, out, extra)) == 0
+            self.runs[key] = (out, probe)
+        return self.runs[key]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    return References(tmp_path_factory.mktemp("references"))
 
 
 def records(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [{k: v for k, v in line.items() if k not in TIMING} for line in lines if line["type"] == "train"]
-    return train, [line for line in lines if line["type"] == "eval"]
+    train = [{k: v for k, v in line.items() if k not in TIMING} for line in read_metrics(run_dir, "train")]
+    return train, read_metrics(run_dir, "eval")
 
 
 def windows(probe: Path) -> list[list[int]]:
@@ -82,10 +100,7 @@ def assert_same_run(run_dir: Path, ref_dir: Path) -> None:
     assert [r["step"] for r in train] == list(range(1, 15))
     assert train == ref_train  # losses, learning rates and gradient norms, step by step, bit for bit
     assert evals == ref_evals
-    weights, ref_weights = load_weights(run_dir), load_weights(ref_dir)
-    assert weights.keys() == ref_weights.keys()
-    for name in weights:
-        assert torch.equal(weights[name], ref_weights[name]), name
+    assert_weights_close(run_dir, ref_dir, atol=0)
 
 
 def assert_same_samples(first: Path, second: Path, ref: Path, resumed_step: int) -> None:
@@ -96,20 +111,22 @@ def assert_same_samples(first: Path, second: Path, ref: Path, resumed_step: int)
     assert killed[resumed_step:] == uninterrupted[resumed_step:len(killed)]  # in-flight work, redone
 
 
-@pytest.fixture
-def models(tmp_path: Path) -> dict[str, Path]:
-    return {"plain": write_model_dir(tmp_path / "bert", TINY_BERT),
-            "dropout": write_model_dir(tmp_path / "bert-dropout", {**TINY_BERT, "hidden_dropout_prob": 0.1,
-                                                                   "attention_probs_dropout_prob": 0.1})}
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"plain": write_model_dir(root / "bert", TINY_BERT),
+            "dropout": write_model_dir(root / "bert-dropout", {**TINY_BERT, "hidden_dropout_prob": 0.1,
+                                                               "attention_probs_dropout_prob": 0.1}),
+            "data": write_reviews(root / "reviews.csv")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_interrupt_and_resume_is_exact(variant: str, models: dict[str, Path], reviews_csv: Path, tmp_path: Path,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupt_and_resume_is_exact(variant: str, models: dict[str, Path], references: References,
+                                       tmp_path: Path) -> None:
     extra, interrupt, expected_code = VARIANTS[variant]
-    model = models["dropout" if "--dropout-model" in extra else "plain"]
+    model, reviews_csv = models["dropout" if "--dropout-model" in extra else "plain"], models["data"]
     extra = [option for option in extra if option != "--dropout-model"]
-    reference(train_args(model, reviews_csv, tmp_path / "ref", extra), tmp_path / "ref.probe", monkeypatch)
+    ref_dir, ref_probe = references.get(model, reviews_csv, extra)
 
     run_dir = tmp_path / "run"
     args = train_args(model, reviews_csv, run_dir, extra)
@@ -128,17 +145,16 @@ def test_interrupt_and_resume_is_exact(variant: str, models: dict[str, Path], re
     assert second.returncode == 0, second.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     resumed_step = int(Path(summary["resumed_from"]).name.split("-")[1])
-    assert_same_run(run_dir, tmp_path / "ref")
-    assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", tmp_path / "ref.probe", resumed_step)
+    assert_same_run(run_dir, ref_dir)
+    assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", ref_probe, resumed_step)
     assert len(complete_checkpoints(run_dir)) == 2  # --keep-last 2
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_sigkill_at_a_random_moment(models: dict[str, Path], reviews_csv: Path, tmp_path: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigkill_at_a_random_moment(models: dict[str, Path], references: References, tmp_path: Path) -> None:
     """Wall-clock kill: wherever it lands (a step, a save, an evaluation), the resumed run is the same."""
-    args = train_args(models["dropout"], reviews_csv, tmp_path / "run", [])
-    reference(train_args(models["dropout"], reviews_csv, tmp_path / "ref", []), tmp_path / "ref.probe", monkeypatch)
+    args = train_args(models["dropout"], models["data"], tmp_path / "run", [])
+    ref_dir, ref_probe = references.get(models["dropout"], models["data"], [])
     env = {**os.environ, "PROBE": str(tmp_path / "first.probe")}
     process = subprocess.Popen([sys.executable, str(DRIVER), *args], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -152,5 +168,5 @@ def test_sigkill_at_a_random_moment(models: dict[str, Path], reviews_csv: Path, 
     assert second.returncode == 0, second.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     resumed_step = int(Path(summary["resumed_from"]).name.split("-")[1])
-    assert_same_run(tmp_path / "run", tmp_path / "ref")
-    assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", tmp_path / "ref.probe", resumed_step)
+    assert_same_run(tmp_path / "run", ref_dir)
+    assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", ref_probe, resumed_step)

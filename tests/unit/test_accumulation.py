@@ -9,8 +9,10 @@ from memfit.build import build_model_for, prepare
 from memfit.data.batches import cut
 from memfit.engine import train
 from memfit.memory import StorageTracker
-from memfit.step import accumulate_window, item_count, loss_sum
+from memfit.step import accumulate_window, item_count
+from memfit.techniques.precision import Precision
 from tests.conftest import load_weights, tiny_config
+from tests.helpers import NoPhases
 
 
 def window_gradients(config_dir: Path, csv: Path, tmp_path: Path,
@@ -77,6 +79,8 @@ class TokenTagger(torch.nn.Module):
 
 
 def test_token_level_loss_is_normalised_by_the_window_token_count() -> None:
+    """accumulate_window divides every micro-batch's summed loss by the window's token count: one batch and
+    two very unequal micro-batches give the same gradient and the same window loss."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (4, 6), generator=generator)
     labels = torch.randint(0, 3, (4, 6), generator=generator)
@@ -84,14 +88,19 @@ def test_token_level_loss_is_normalised_by_the_window_token_count() -> None:
     labels[3, 5:] = -100
     full = {"input_ids": ids, "labels": labels}
     halves = [{"input_ids": ids[:1], "labels": labels[:1]}, {"input_ids": ids[1:], "labels": labels[1:]}]
-    grads = []
+    grads, losses = [], []
     for batches in ([full], halves):
         model = TokenTagger()
         total = sum(item_count(batch) for batch in batches)
         assert total == 24 - 4 - 1
-        for batch in batches:
-            loss, _ = loss_sum(model, batch)
-            (loss / total).backward()
+        loss, done = accumulate_window(model, batches, total, precision=Precision("fp32", "cpu"), scaler=None,
+                                       device=torch.device("cpu"), phases=NoPhases())
+        assert done == len(batches)
         grads.append([p.grad.clone() for p in model.parameters()])
+        losses.append(loss)
+    whole_model = TokenTagger()
+    mean_loss = torch.nn.functional.cross_entropy(whole_model(ids).logits.reshape(-1, 3), labels.reshape(-1))
+    torch.testing.assert_close(losses[0], mean_loss.detach())  # the mean over the window's tokens
+    torch.testing.assert_close(losses[1], losses[0])
     for whole, accumulated in zip(*grads, strict=True):
         torch.testing.assert_close(accumulated, whole, rtol=1e-6, atol=1e-7)

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 import memfit.checkpoints
-import memfit.engine
+import memfit.windows
 from memfit.checkpoints import MARKER, PROGRESS, STATE, WEIGHTS, complete_checkpoints, latest, load
 from memfit.engine import train
 from memfit.errors import CheckpointError, TrainingError
@@ -68,7 +68,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tiny_bert: Path
     monkeypatch.undo()
     assert latest(tmp_path / "run") == before  # the partial save is not a checkpoint
     assert [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
-    assert load(before).progress.step == 2
+    assert load(before).progress["step"] == 2
     resumed = run(tiny_bert, reviews_csv, tmp_path / "run", max_steps=4, resume="latest")
     assert resumed.resumed_from == str(before) and resumed.optimizer_steps == 4
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -162,7 +162,7 @@ def test_an_oom_reduced_micro_batch_stays_reduced_on_resume(tiny_bert: Path, rev
 
 def test_micro_batch_one_that_does_not_fit_saves_a_checkpoint_before_stopping(
         tiny_bert: Path, reviews_csv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_accumulate = memfit.engine.accumulate_window
+    real_accumulate = memfit.windows.accumulate_window
     calls = {"count": 0}
 
     def fails_from_step_three(*args: Any, **kwargs: Any) -> Any:
@@ -171,9 +171,9 @@ def test_micro_batch_one_that_does_not_fit_saves_a_checkpoint_before_stopping(
             raise OUT_OF_MEMORY("injected")
         return real_accumulate(*args, **kwargs)
 
-    monkeypatch.setattr(memfit.engine, "accumulate_window", fails_from_step_three)
+    monkeypatch.setattr(memfit.windows, "accumulate_window", fails_from_step_three)
     with pytest.raises(TrainingError, match="step 3: out of memory with a micro-batch of 1") as caught:
         run(tiny_bert, reviews_csv, tmp_path / "run", micro_batch_size=1, save_every=None)
     newest = latest(tmp_path / "run")
     assert newest is not None and f"checkpoint saved to {newest}" in str(caught.value)
-    assert load(newest).progress.step == 2 and load(newest).progress.offset == 16  # what was learned is kept
+    assert load(newest).progress["step"] == 2 and load(newest).progress["offset"] == 16  # what was learned is kept

@@ -53,3 +53,16 @@ def test_config_files_toml_and_yaml(tmp_path: Path) -> None:
     bad.write_text("model = \n")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config_file(str(bad))
+
+
+def test_train_accepts_a_gpu_profile_file_and_reports_a_broken_one(tmp_path: Path) -> None:
+    card = tmp_path / "card.toml"
+    card.write_text('name = "card"\nmemory_bytes = 8589934592\ncompute_capability = [7, 5]\nfp32_flops = 1e13\n')
+    config = TrainConfig(device=str(card))
+    config.validate()
+    assert config.plans  # trained on CUDA, planned for that card
+    card.write_text("name = = 1\n")
+    with pytest.raises(ConfigError, match=r"--device .*card.toml: cannot parse"):
+        TrainConfig(device=str(card)).validate()
+    with pytest.raises(ConfigError, match="no such file"):
+        TrainConfig(device=str(tmp_path / "missing.json")).validate()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.devices import PROFILES, Device, profile_for, resolve_profile
+from memfit.devices import PROFILES, Device, profile_for, resolve_profile, torch_arch_problem
 from memfit.errors import ConfigError
 
 GiB = 1024**3
@@ -31,6 +31,20 @@ def test_a_user_profile_from_toml(tmp_path: Path) -> None:
         resolve_profile(str(path))
 
 
+def test_a_profile_file_keeps_its_link_and_host_bandwidth(tmp_path: Path) -> None:
+    path = tmp_path / "nvlink.toml"
+    path.write_text('name = "nv"\nmemory_bytes = 1\nfp32_flops = 1\nlink_bandwidth = 3e11\nhost_bandwidth = 5e10\n')
+    profile = resolve_profile(str(path))
+    assert (profile.link_bandwidth, profile.host_bandwidth) == (3e11, 5e10)
+
+
+def test_a_broken_profile_file_is_reported_against_device(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("name = = 3\n")
+    with pytest.raises(ConfigError, match=r"^--device .*broken.toml: cannot parse"):
+        resolve_profile(str(path))
+
+
 @pytest.mark.parametrize(("name", "capability", "memory_gib", "expected"), [
     ("NVIDIA GeForce GTX 1080 Ti", (6, 1), 11, "1080ti"),
     ("NVIDIA A100-SXM4-80GB", (8, 0), 80, "a100-80"),
@@ -50,3 +64,20 @@ def test_an_unknown_card_gets_a_profile_from_its_properties() -> None:
     profile = profile_for(device)
     assert (profile.name, profile.compute_capability, profile.memory_bytes) == ("NVIDIA L40S", (8, 9), 45 * GiB)
     assert profile.non_pytorch_bytes > 0
+
+
+@pytest.mark.parametrize(("arches", "capability", "runs"), [
+    (["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"], (6, 1), True),  # cu126: sm_60 runs on 6.1
+    (["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"], (6, 1), False),  # cu128: no Pascal
+    (["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"], (8, 9), True),  # 8.6 code on 8.9
+    (["sm_75", "sm_80", "sm_90a"], (9, 0), True),
+    (["sm_80", "compute_80"], (7, 5), False),  # PTX runs only on newer cards
+    (["sm_75", "compute_75"], (8, 0), True),  # PTX of an older version: compiled by the driver
+])
+def test_the_installed_torch_is_checked_against_the_card(arches: list[str], capability: tuple[int, int],
+                                                          runs: bool) -> None:
+    problem = torch_arch_problem(capability, "the card", arches)
+    assert (problem is None) == runs, problem
+    if capability == (6, 1) and not runs:
+        assert problem is not None and "sm_61" in problem and "torch==2.14.*" in problem and "cu126" in problem
+    assert torch_arch_problem(capability, "the card", []) is None  # a CPU build: nothing to say

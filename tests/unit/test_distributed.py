@@ -14,15 +14,7 @@ from memfit import distributed
 from memfit.step import accumulate_window
 from memfit.techniques.precision import Precision
 from tests.conftest import build_tiny_bert
-
-
-class NoPhases:
-    def track(self, *tensors: torch.Tensor, category: str | None = None) -> None: ...
-
-    def track_module(self, module: torch.nn.Module) -> None: ...
-
-    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+from tests.helpers import NoPhases
 
 
 def micro_batches(count: int) -> list[dict[str, torch.Tensor]]:
@@ -87,3 +79,22 @@ def test_fsdp_reduces_gradients_only_in_the_last_micro_step() -> None:
                           device=torch.device("cpu"), phases=NoPhases(),
                           sync=record_sync(model, seen, lambda: any(p.grad is not None for p in sharded)))
     assert seen == [False, False, True]  # unsharded gradients accumulate locally; one reduce-scatter at the end
+
+
+def test_ddp_puts_each_rank_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP's device_ids name the local rank's GPU, not GPU 0, for the index-less device a rank trains on."""
+    made: dict[str, Any] = {}
+
+    class RecordingDdp(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module, **options: Any) -> None:
+            super().__init__()
+            made.update(options)
+
+        def register_comm_hook(self, state: Any, hook: Any) -> None: ...
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", RecordingDdp)
+    world = distributed.World(strategy="ddp", rank=3, world_size=4, local_rank=3)
+    distributed.wrap(torch.nn.Sequential(), world, low_precision=None, device=torch.device("cuda"))
+    assert made["device_ids"] == [3]
+    distributed.wrap(torch.nn.Sequential(), world, low_precision=None, device=torch.device("cpu"))
+    assert made["device_ids"] is None

@@ -5,7 +5,7 @@ import pytest
 import transformers
 
 from memfit.errors import ConfigError
-from memfit.models import PRESETS, build_model, embedding_modules, resolve_model, transformer_layers
+from memfit.models import PRESETS, build_model, embedding_modules, load_tokenizer, resolve_model, transformer_layers
 from tests.conftest import TINY_GPT2, TINY_VIT, write_model_dir
 
 
@@ -36,7 +36,22 @@ def test_directory_without_config(tmp_path: Path) -> None:
 
 def test_config_only_directory_is_random_init(tiny_bert: Path) -> None:
     spec = resolve_model(str(tiny_bert))
-    assert not spec.is_pretrained and spec.tokenizer_dir is not None  # falls back to the packaged vocabulary
+    assert not spec.is_pretrained and spec.tokenizer_dir is None  # no tokenizer of its own
+    assert len(load_tokenizer(spec)) == 30522  # the packaged WordPiece vocabulary, loaded when text is tokenised
+
+
+def test_presets_resolve_without_the_packaged_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Estimating and planning never tokenise: a machine without the MiniLM package can still do both."""
+    import memfit.models
+
+    def missing() -> Path:
+        raise ConfigError("the packaged weights are not installed")
+
+    monkeypatch.setattr(memfit.models, "packaged_minilm_dir", missing)
+    spec = resolve_model("bert-base")
+    assert spec.modality == "text" and spec.num_layers == 12
+    with pytest.raises(ConfigError, match="not installed"):
+        load_tokenizer(spec)
 
 
 def test_saved_head_is_detected(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from rich.console import Console
 
-import memfit.engine
 import memfit.step
+import memfit.windows
 from memfit.engine import train
 from memfit.errors import ConfigError, TrainingError
 from memfit.memory.tracker import OUT_OF_MEMORY, StorageTracker
@@ -110,7 +110,7 @@ def assert_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, exa
         if exact:
             assert torch.equal(a[name], b[name]), name
         else:  # splitting changes the order of the gradient sums: equal up to rounding, not bit for bit
-            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)  # a lost sample: ~lr (1e-3)
 
 
 def test_an_oom_storm_loses_no_sample_and_learns_the_same(wide_bert: Path, reviews_csv: Path, tmp_path: Path,
@@ -145,7 +145,7 @@ def test_micro_batch_one_that_still_fails_stops_with_the_memory_needed(wide_bert
     def always(*args: Any, **kwargs: Any) -> Any:
         raise OUT_OF_MEMORY("injected")
 
-    monkeypatch.setattr(memfit.engine, "accumulate_window", always)  # the run's, not the estimator's
+    monkeypatch.setattr(memfit.windows, "accumulate_window", always)  # the run's, not the estimator's
     with pytest.raises(TrainingError, match=r"step 1: out of memory with a micro-batch of 1 \(injected\); "
                                             r"a micro-batch of 1 needs [0-9.]+ MiB \(memfit estimate\)"):
         run(wide_bert, reviews_csv, tmp_path / "run", micro_batch_size=4, emulate_budget="64MiB")
@@ -163,7 +163,7 @@ def test_other_errors_propagate_unchanged(wide_bert: Path, reviews_csv: Path, tm
 
 def test_an_eval_oom_halves_only_the_eval_batch(wide_bert: Path, reviews_csv: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    real_loss_sum = memfit.engine.loss_sum
+    real_loss_sum = memfit.windows.loss_sum
     calls = {"count": 0}
 
     def eval_fails_once(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,9 +172,14 @@ def test_an_eval_oom_halves_only_the_eval_batch(wide_bert: Path, reviews_csv: Pa
             raise OUT_OF_MEMORY("injected")
         return real_loss_sum(model, batch)
 
-    monkeypatch.setattr(memfit.engine, "loss_sum", eval_fails_once)  # the engine's own evaluation
+    monkeypatch.setattr(memfit.windows, "loss_sum", eval_fails_once)  # the run's own evaluation
     summary = run(wide_bert, reviews_csv, tmp_path / "run", micro_batch_size=8, epochs=1, eval_batch_size=8)
     assert [(e["phase"], e["old_eval_batch_size"], e["new_eval_batch_size"]) for e in summary.oom_recoveries] == [
         ("eval", 8, 4)]
     assert (summary.micro_batch_size, summary.accumulation_steps) == (8, 2)  # training untouched
-    assert 0.0 <= summary.val_accuracy <= 1.0
+    monkeypatch.undo()
+    clean = run(wide_bert, reviews_csv, tmp_path / "clean", micro_batch_size=8, epochs=1, eval_batch_size=8)
+    assert clean.oom_recoveries == [] and summary.train_loss == clean.train_loss
+    # the whole validation set was evaluated once, in halves: the same accuracy, the same loss up to summation
+    assert summary.val_accuracy == clean.val_accuracy
+    assert summary.val_loss == pytest.approx(clean.val_loss, rel=1e-6)

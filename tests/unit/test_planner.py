@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,20 @@ def test_with_two_gpus_the_plan_shards_only_when_a_replica_does_not_fit(tmp_path
     assert (config.distributed, config.world_size, config.per_rank_batch) == ("fsdp", 2, 4)
     assert estimate(config, device="cpu", seq_len=32).total_bytes == tight.chosen.predicted_peak_bytes
     assert roomy.chosen.predicted_samples_per_second > tight.chosen.predicted_samples_per_second
+    for row in [candidate.to_dict() for candidate in roomy.candidates + tight.candidates]:  # traced and pruned
+        steps_per_second = row["predicted_optimizer_steps_per_second"]
+        assert row["predicted_samples_per_second"] == pytest.approx(8 * steps_per_second), row  # the global batch
+
+
+def test_plan_takes_the_effective_batch_of_its_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from memfit.cli import main
+
+    model = write_model_dir(tmp_path / "bert", ACTIVATION_BERT)
+    config = tmp_path / "run.toml"
+    config.write_text(f'model = "{model}"\neffective_batch = 4\n')
+    assert main(["plan", "--config", str(config), "--device", "cpu", "--budget", "64MiB", "--seq-len", "16",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["effective_batch"] == 4
+    assert main(["plan", "--config", str(config), "--device", "cpu", "--budget", "64MiB", "--seq-len", "16",
+                 "--effective-batch", "2", "--json"]) == 0  # a flag given overrides the file
+    assert json.loads(capsys.readouterr().out)["effective_batch"] == 2

@@ -36,7 +36,11 @@ def assert_unchanged(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
         assert torch.equal(param, saved)
     for param, saved in zip(model.parameters(), states, strict=True):
         for key, value in saved.items():
-            assert torch.equal(optimizer.state[param][key], value) if torch.is_tensor(value) else True
+            current = optimizer.state[param][key]
+            if torch.is_tensor(value):
+                assert torch.equal(current, value), key
+            else:
+                assert current == value, key
 
 
 @pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])

@@ -43,15 +43,17 @@ from memfit import distributed
 from memfit.build import build_optimizer_for, build_with_techniques, depth_problems
 from memfit.config import TrainConfig
 from memfit.data.batches import Batch
-from memfit.devices import DeviceProfile, resolve_profile
+from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation
 from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, count_parameters, resolve_model
-from memfit.step import PhaseTracker, accumulate_window, item_count
+from memfit.quiet import quiet_imports
+from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
+from memfit.techniques.optim import build_scheduler
 from memfit.techniques.precision import Precision, resolve_precision
-from memfit.techniques.stability import assume_finite, guarded_step, read_values
+from memfit.techniques.stability import assume_finite, read_values
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 SCALER_TENSORS = 4
@@ -67,7 +69,7 @@ class Estimate:
     breakdown: dict[str, int]
     """Bytes per category live at the peak."""
     phases: dict[str, int]
-    """Peak bytes per phase: forward, backward, optimizer, zero_grad."""
+    """Peak bytes per phase: forward, backward, optimizer (the step, freeing the gradients, the schedule)."""
     peak_phase: str
     device: str
     device_memory_bytes: int
@@ -261,6 +263,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
                 lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
     # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
     optimizer = build_optimizer_for(model, config, foreach_default=cuda)
+    scheduler = build_scheduler(optimizer, total_steps=len(windows), warmup_ratio=config.warmup_ratio)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
         items = window_items.pop(0)
@@ -273,21 +276,25 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
             window_loss = distributed.mean_over_ranks(window_loss)
             if tracker is not None:  # FSDP2 sets the reduced shard as .grad (no accumulate-grad hook runs)
                 tracker.relabel([p.grad for _, p in trained if p.grad is not None], "gradients")
-        with phases.phase("optimizer"):
-            guarded_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=config.max_grad_norm,
-                         read=read)
-            if tracker is not None:
-                state = [(key, value) for per_param in optimizer.state.values()
-                         for key, value in per_param.items() if isinstance(value, torch.Tensor)]
-                tracker.relabel([value for _, value in state], "optimizer_state")
-                if cuda:
-                    tracker.forget([value for key, value in state if key == "step"])
+        optimizer_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=config.max_grad_norm,
+                       scheduler=scheduler, phases=phases, read=read,
+                       after_update=None if tracker is None else functools.partial(
+                           label_optimizer_state, tracker, optimizer, host_step_counters=cuda))
         del window_loss, micro_batches
-        with phases.phase("zero_grad"):
-            optimizer.zero_grad(set_to_none=True)
         if after_step is not None:
             after_step(step)
     del buckets
+
+
+def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimizer, *,
+                          host_step_counters: bool) -> None:
+    """Count the optimizer's state as ``optimizer_state``; on CUDA, Adam's step counters live on the host
+    (unless the optimizer is fused or capturable), so they are not device memory."""
+    state = [(key, value) for per_param in optimizer.state.values()
+             for key, value in per_param.items() if isinstance(value, torch.Tensor)]
+    tracker.relabel([value for _, value in state], "optimizer_state")
+    if host_step_counters:
+        tracker.forget([value for key, value in state if key == "step"])
 
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -348,6 +355,17 @@ def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int 
     return "ddp" if replica.total_bytes <= budget else "fsdp"
 
 
+def resolve_strategy(config: TrainConfig, device: Device) -> str:
+    """The strategy a run on ``device`` trains with: ``auto`` is FSDP when one rank's replica (estimated)
+    would not fit the run's memory budget, else DDP."""
+    if config.distributed != "auto":
+        return config.distributed
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return strategy_for(config, profile_for(device), config.emulate_budget_bytes)
+
+
 def synthetic_batch(spec: ModelSpec, batch_size: int, length: int) -> Batch:
     """A host batch of the given shape: texts at full length, the worst case padding can reach.
 
@@ -390,6 +408,7 @@ def _config_only(spec: ModelSpec, image_size: int | None) -> ModelSpec:
 @contextlib.contextmanager
 def _no_init_weights() -> Any:
     """Skip weight initialisation (``trunc_normal_`` reads values, which fake tensors do not have)."""
+    quiet_imports()
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers 4.x

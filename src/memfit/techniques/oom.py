@@ -57,6 +57,19 @@ class OomRecovery:
         self.window_rng: dict[str, Any] = {}
         """The random state at the start of the current window: what a restart of the window replays."""
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "eval_batch_size": self.eval_batch_size,
+                "oom_recoveries": list(self.events)}
+
+    def load_state_dict(self, values: dict[str, Any], *, same_micro_batch: bool, same_eval_batch: bool) -> None:
+        """What :meth:`state_dict` saved. A size reduced after an OOM stays reduced only when the resumed run
+        asks for the size the saved one started with (else the new request stands)."""
+        if same_micro_batch:
+            self.micro_batch_size = values["micro_batch_size"]
+        if same_eval_batch:
+            self.eval_batch_size = values["eval_batch_size"]
+        self.events = list(values["oom_recoveries"])
+
     @property
     def accumulation_steps(self) -> int:
         return math.ceil(self.effective_batch / self.micro_batch_size)

@@ -1,0 +1,146 @@
+"""Running one window (the samples of one optimizer step) and one evaluation, in one process or as one rank of
+several. The engine picks its runner once, when it builds the run, so the loop has no distributed branches.
+
+- :class:`LocalWindows`: the window's micro-batches in this process; a window resumed part-way continues after
+  its last finished micro-step, and a stop signal between micro-steps ends the window early (the engine saves
+  its gradients so far).
+- :class:`RankWindows`: this rank's share of the window (samples r, r+N, ...), gradients reduced over the ranks
+  in the window's last backward only; a stop signal is agreed between windows, never inside one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from memfit import distributed
+from memfit.data.batches import Batch, Encoder, cut
+from memfit.step import IGNORE_INDEX, PhaseTracker, accumulate_window, item_count, loss_sum, to_device
+from memfit.techniques.precision import Precision
+
+
+@dataclass(kw_only=True, slots=True)
+class PartialWindow:
+    """A window a checkpoint saved part-way: its micro-steps done (their gradients are back in ``.grad``),
+    its loss so far, and the random state at its start (what an OOM restart of the window replays)."""
+
+    micro_steps_done: int
+    loss: torch.Tensor | None
+    rng_window_start: dict[str, Any]
+
+
+class WindowResult(NamedTuple):
+    loss: torch.Tensor
+    """The window's loss (a device tensor, not synced)."""
+    items: int
+    """Labelled items in the window (over all ranks)."""
+    done: int
+    """Micro-steps finished: all of them, unless a stop signal ended the window early."""
+    micro_steps: int
+    """Micro-steps of the window."""
+
+
+class LocalWindows:
+    """Windows and evaluations of a run in one process."""
+
+    def __init__(self, model: nn.Module, encoder: Encoder, *, precision: Precision,
+                 scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
+                 stop_requested: Callable[[], bool]) -> None:
+        self.model, self.encoder, self.precision, self.scaler = model, encoder, precision, scaler
+        self.device, self.phases, self.stop_requested = device, phases, stop_requested
+
+    def run(self, window: list[int], size: int, partial: PartialWindow | None) -> WindowResult:
+        """Forward + backward of each micro-batch of ``size``; gradients accumulate in ``.grad``."""
+        micro_batches = [self.encoder(chunk) for chunk in cut(window, size)]
+        window_items = sum(item_count(batch) for batch in micro_batches)  # host-side: no sync
+        start = partial.micro_steps_done if partial is not None else 0
+        loss, done = accumulate_window(self.model, micro_batches[start:], window_items, precision=self.precision,
+                                       scaler=self.scaler, device=self.device, phases=self.phases,
+                                       loss_so_far=partial.loss if partial is not None else None,
+                                       should_stop=self.stop_requested)
+        return WindowResult(loss, window_items, start + done, len(micro_batches))
+
+    def stop_agreed(self, requested: bool) -> bool:
+        """Whether the run stops before its next window (``requested``: a stop signal reached this process)."""
+        return requested
+
+    def evaluation_batches(self, num_examples: int, size: int) -> tuple[nn.Module, Iterable[Batch]]:
+        """The model to evaluate and this process's batches of the first ``num_examples`` examples."""
+        return self.model, (self.encoder(chunk) for chunk in cut(range(num_examples), size))
+
+    def total(self, values: list[float]) -> list[float]:
+        """Counts summed over the processes that evaluated."""
+        return values
+
+
+class RankWindows(LocalWindows):
+    """Windows and evaluations of one rank of a distributed run."""
+
+    def __init__(self, model: nn.Module, encoder: Encoder, world: distributed.World, **options: Any) -> None:
+        super().__init__(model, encoder, **options)
+        self.world = world
+
+    def run(self, window: list[int], size: int, partial: PartialWindow | None) -> WindowResult:
+        """This rank's share of the window, gradients reduced in its last backward; the loss is averaged over
+        the ranks. One labelled item per sample (sequence- and image-level heads), so the window's item count
+        over all ranks is its length, known to every rank without a collective."""
+        micro_batches = rank_batches(self.encoder, window, size, self.world)
+        loss, done = accumulate_window(self.model, micro_batches, len(window) / self.world.world_size,
+                                       precision=self.precision, scaler=self.scaler, device=self.device,
+                                       phases=self.phases, sync=functools.partial(distributed.gradient_sync,
+                                                                                  self.model))
+        return WindowResult(distributed.mean_over_ranks(loss), len(window), done, len(micro_batches))
+
+    def stop_agreed(self, requested: bool) -> bool:
+        """A stop signal on any rank stops every rank at the same window (one all-reduce of one number)."""
+        return distributed.any_rank(requested, self.device)
+
+    def evaluation_batches(self, num_examples: int, size: int) -> tuple[nn.Module, Iterable[Batch]]:
+        # DDP's forward would sync buffers; FSDP2's gathers (it is its own module)
+        return distributed.unwrap(self.model), rank_batches(self.encoder, list(range(num_examples)), size, self.world)
+
+    def total(self, values: list[float]) -> list[float]:
+        return distributed.sum_over_ranks(values, self.device)
+
+
+@torch.no_grad()
+def evaluate(windows: LocalWindows, num_examples: int, batch_size: int) -> tuple[float, float]:
+    """(accuracy, mean loss) over the validation examples; no activations are kept for backward.
+
+    Distributed: each rank evaluates its share (padded so every rank runs the same forwards) and the counts
+    are summed over the ranks.
+    """
+    model, batches = windows.evaluation_batches(num_examples, batch_size)
+    model.eval()
+    correct = torch.zeros((), dtype=torch.long, device=windows.device)
+    total_loss = torch.zeros((), device=windows.device)
+    for host_batch in batches:
+        batch = to_device(host_batch, windows.device)
+        with windows.precision.autocast():
+            loss, logits = loss_sum(model, batch)
+        correct += (logits.argmax(dim=-1) == batch["labels"]).sum()  # a masked label (-100) never matches
+        total_loss += loss
+    total_correct, summed_loss = windows.total([float(correct), float(total_loss)])
+    return total_correct / num_examples, summed_loss / num_examples
+
+
+def rank_batches(encoder: Encoder, indices: list[int], size: int, world: distributed.World) -> list[Batch]:
+    """This rank's micro-batches of ``indices`` (:func:`memfit.distributed.rank_chunks`), padding masked out."""
+    chunks, padding = distributed.rank_chunks(indices, size, world)
+    batches = [encoder(chunk) for chunk in chunks]
+    for batch in batches[len(batches) - padding:]:
+        batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    return batches
+
+
+def window_runner(model: nn.Module, encoder: Encoder, world: distributed.World, **options: Any) -> LocalWindows:
+    """The runner of this process's windows: one rank's share when the run is distributed."""
+    if world.distributed:
+        return RankWindows(model, encoder, world, **options)
+    return LocalWindows(model, encoder, **options)
+

@@ -1,0 +1,65 @@
+"""Helpers shared by the tests: run the CLI, read a run's files, compare weights, a do-nothing phase tracker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.conftest import load_weights
+
+
+def memfit(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m memfit ARGS`` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def run_main(args: list[str], capsys: Any) -> tuple[int, str, str]:
+    """``memfit ARGS`` in this process through :func:`memfit.cli.main`: (exit code, stdout, stderr)."""
+    from memfit.cli import main
+
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl``, all of them or those of one ``type``."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if kind is None or line["type"] == kind]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [record["loss"] for record in read_metrics(run_dir, "train")]
+
+
+def assert_weights_close(run_dir: Path, ref_dir: Path, *, atol: float) -> None:
+    """The saved models of two runs hold the same tensors, within ``atol`` (0: bit for bit)."""
+    assert_tensors_close(load_weights(run_dir), load_weights(ref_dir), atol=atol)
+
+
+def assert_tensors_close(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], *,
+                         atol: float) -> None:
+    assert tensors.keys() == reference.keys()
+    for name in tensors:
+        if atol == 0:
+            assert torch.equal(tensors[name], reference[name]), name
+        else:
+            torch.testing.assert_close(tensors[name], reference[name], atol=atol, rtol=0, msg=name)
+
+
+class NoPhases:
+    """A phase tracker that records nothing (the step's ``phases`` argument where memory is not the point)."""
+
+    def track(self, *tensors: torch.Tensor, category: str | None = None) -> None: ...
+
+    def track_module(self, module: torch.nn.Module) -> None: ...
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
