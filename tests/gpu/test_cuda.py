@@ -14,7 +14,7 @@ from rich.console import Console
 from memfit.devices import profile_for, resolve_device, torch_arch_problem
 from memfit.engine import train
 from memfit.memory.estimate import estimate
-from tests.conftest import TINY_BERT, tiny_config, write_model_dir, write_reviews
+from tests.conftest import TINY_BERT, tiny_config, write_long_text_task, write_model_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -27,8 +27,13 @@ TRAINING_PHASES = ("forward", "backward", "optimizer")
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """SMALL_BERT with its own small vocabulary (no packaged tokenizer needed) and 48 texts of about 32 tokens."""
     root = tmp_path_factory.mktemp("cuda")
-    return write_model_dir(root / "bert", SMALL_BERT), write_reviews(root / "reviews.csv", count=256)
+    tiny, data = write_long_text_task(root)
+    vocab = (tiny / "vocab.txt").read_text()
+    model = write_model_dir(root / "small-bert", {**SMALL_BERT, "vocab_size": len(vocab.split())})
+    (model / "vocab.txt").write_text(vocab)
+    return model, data
 
 
 def test_the_installed_torch_has_kernels_for_this_card() -> None:
@@ -40,27 +45,29 @@ def test_the_installed_torch_has_kernels_for_this_card() -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_cuda_run_peaks_where_the_estimate_says(task: tuple[Path, Path], tmp_path: Path, precision: str) -> None:
     model, data = task
-    config = tiny_config(model, data, tmp_path / "run", device="cuda", precision=precision, effective_batch=32,
-                         micro_batch_size=32, max_steps=4)
+    config = tiny_config(model, data, tmp_path / "run", device="cuda", precision=precision, effective_batch=16,
+                         micro_batch_size=16, max_steps=2)
     summary = train(config, console=QUIET)
     assert summary.device.startswith(torch.cuda.get_device_name())
     measured = max(summary.peak_memory_by_phase[name] for name in TRAINING_PHASES)
     predicted = estimate(config, device=profile_for(resolve_device("cuda")), seq_len=32).peak_bytes
-    # texts are padded per micro-batch, to at most 32 tokens: the run can only be at or below the estimate's
-    # full-length batch, and not far below it with these reviews
-    assert 0.7 * predicted <= measured <= 1.02 * predicted, (measured, predicted)
+    # the texts fill (or nearly fill) the 32 tokens the estimate assumes; the validation grid of
+    # benchmarks/validate_estimator.py measures the error per setup on bigger models
+    assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
 
 
 def test_a_real_cuda_oom_splits_the_micro_batch_and_keeps_the_effective_batch(task: tuple[Path, Path],
                                                                             tmp_path: Path) -> None:
     model, data = task
-    roomy = train(tiny_config(model, data, tmp_path / "roomy", device="cuda", effective_batch=64,
-                              micro_batch_size=64, max_steps=3), console=QUIET)
-    half = train(tiny_config(model, data, tmp_path / "half", device="cuda", effective_batch=64,
-                             micro_batch_size=32, max_steps=3), console=QUIET)
+
+    def run(name: str, micro: int, **options: Any) -> Any:
+        return train(tiny_config(model, data, tmp_path / name, device="cuda", effective_batch=16,
+                                 micro_batch_size=micro, max_steps=2, **options), console=QUIET)
+
+    roomy, half = run("roomy", 16), run("half", 8)
     budget = (roomy.peak_memory_bytes + half.peak_memory_bytes) // 2
-    split = train(tiny_config(model, data, tmp_path / "split", device="cuda", effective_batch=64,
-                              micro_batch_size=64, max_steps=3, emulate_budget=f"{budget}B"), console=QUIET)
-    assert [event["action"] for event in split.oom_recoveries] == ["retry", "split"]
-    assert (split.micro_batch_size, split.accumulation_steps, split.effective_batch_size) == (32, 2, 64)
-    assert split.optimizer_steps == roomy.optimizer_steps == 3
+    split = run("split", 16, emulate_budget=f"{budget}B")  # a real torch.OutOfMemoryError from the allocator
+    actions = [event["action"] for event in split.oom_recoveries]
+    assert actions[:2] == ["retry", "split"] and set(actions[2:]) <= {"split"}, actions
+    assert split.micro_batch_size <= 8 and split.micro_batch_size * split.accumulation_steps == 16
+    assert split.effective_batch_size == 16 and split.optimizer_steps == roomy.optimizer_steps == 2
