@@ -40,8 +40,19 @@ def _bool_flag(group: argparse._ArgumentGroup, name: str, help_text: str) -> Non
 
 
 def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = False) -> None:
-    """Every ``train`` option, grouped by technique; defaults live in :class:`TrainConfig`, not here."""
+    """Every ``train`` option, grouped by technique as in the README; defaults live in :class:`TrainConfig`."""
     defaults = TrainConfig()
+    for add_group in (_model_and_data_options, _batch_options, _precision_options, _memory_options,
+                      _optimizer_options, _schedule_options):
+        add_group(parser, defaults)
+    if not for_estimate:
+        _planning_and_reliability_options(parser, defaults)
+    _rank_options(parser, defaults, for_estimate=for_estimate)
+    _device_options(parser, defaults, for_estimate=for_estimate)
+
+
+def _model_and_data_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The model, the data and how texts are cut."""
     data = parser.add_argument_group("model and data")
     data.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or local HF model directory "
                                       f"[{defaults.model}]")
@@ -54,6 +65,9 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     data.add_argument("--train-samples", type=int, help="use only N training examples")
     data.add_argument("--val-samples", type=int, help="use only N validation examples")
 
+
+def _batch_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The effective batch and its micro-batch / accumulation split."""
     batch = parser.add_argument_group("batch (accumulation: less activation memory, more micro-steps)")
     batch.add_argument("--effective-batch", type=int, help=f"samples per optimizer step [{defaults.effective_batch}]")
     batch.add_argument("--micro-batch-size", type=int, help="samples per forward/backward [effective batch]")
@@ -61,6 +75,9 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
                                                               "--micro-batch-size)")
     batch.add_argument("--eval-batch-size", type=int, help=f"[{defaults.eval_batch_size}]")
 
+
+def _precision_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Mixed precision and the GradScaler."""
     precision = parser.add_argument_group("precision (16-bit activations; fp16 adds a GradScaler)")
     precision.add_argument("--precision", choices=PRECISIONS, help=f"[{defaults.precision}]")
     _bool_flag(precision, "force-cpu-fp16", "run fp16 on CPU although it is ~20x slower")
@@ -68,12 +85,18 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     precision.add_argument("--growth-interval", type=int, help=f"GradScaler growth interval "
                                                                f"[{defaults.growth_interval}]")
 
+
+def _memory_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Checkpointing and freezing."""
     memory = parser.add_argument_group("checkpointing and freezing (memory for compute, or for accuracy)")
     memory.add_argument("--checkpointing", choices=CHECKPOINTING, help=f"[{defaults.checkpointing}]")
     memory.add_argument("--checkpoint-every", type=int, help=f"N of every-n [{defaults.checkpoint_every}]")
     _bool_flag(memory, "freeze-embeddings", "freeze the embedding block")
     memory.add_argument("--train-top-layers", type=int, help="train only the top K layers plus the head")
 
+
+def _optimizer_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """The optimizer, clipping and the non-finite guard."""
     optim = parser.add_argument_group("optimizer and stability")
     optim.add_argument("--optimizer", choices=OPTIMIZERS, help=f"[{defaults.optimizer}]")
     _bool_flag(optim, "foreach", "multi-tensor optimizer kernels (faster, higher step peak)")
@@ -86,32 +109,41 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     optim.add_argument("--max-nonfinite-steps", type=int, help=f"stop after N consecutive non-finite steps "
                                                                f"[{defaults.max_nonfinite_steps}]")
 
+
+def _schedule_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Epochs, steps, seed, logging."""
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--epochs", type=int, help=f"[{defaults.epochs}]")
     schedule.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     schedule.add_argument("--seed", type=int, help=f"[{defaults.seed}]")
     schedule.add_argument("--log-every", type=int, help=f"optimizer steps per metrics line [{defaults.log_every}]")
 
-    if not for_estimate:
-        planning = parser.add_argument_group("planning (memfit plan): the fastest setup within a memory budget")
-        planning.add_argument("--budget", metavar="SIZE", help="plan the micro-batch, precision, checkpointing and "
-                                                               "optimizer to fit SIZE (e.g. 11GiB), then train")
-        planning.add_argument("--plan", metavar="PLAN_JSON", help="train with a plan saved by memfit plan --save")
-        reliability = parser.add_argument_group("reliability (out-of-memory recovery keeps the effective batch)")
-        reliability.add_argument("--emulate-budget", metavar="SIZE",
-                                 help="behave as if the device had SIZE of memory, e.g. 300MiB or 11GiB")
-        reliability.add_argument("--save-every", type=int, metavar="N",
-                                 help="checkpoint every N optimizer steps and at the end")
-        reliability.add_argument("--keep-last", type=int, metavar="K",
-                                 help=f"complete checkpoints to keep [{defaults.keep_last}]")
-        reliability.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
-                                 help="continue from the newest checkpoint in --output-dir, or from PATH")
-        reliability.add_argument("--overwrite", action="store_true", default=None,
-                                 help="replace the run in an existing --output-dir")
-        reliability.add_argument("--memory-timeline", action="store_true", default=None,
-                                 help="record memory at every allocation of step 2 into memory_timeline.json")
-        reliability.add_argument("--quantize", action="store_true", help="int8-quantize the model at the end "
-                                                                         "and report (memfit quantize)")
+
+def _planning_and_reliability_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Planning to a budget; OOM recovery, checkpoints and resume (train only)."""
+    planning = parser.add_argument_group("planning (memfit plan): the fastest setup within a memory budget")
+    planning.add_argument("--budget", metavar="SIZE", help="plan the micro-batch, precision, checkpointing and "
+                                                           "optimizer to fit SIZE (e.g. 11GiB), then train")
+    planning.add_argument("--plan", metavar="PLAN_JSON", help="train with a plan saved by memfit plan --save")
+    reliability = parser.add_argument_group("reliability (out-of-memory recovery keeps the effective batch)")
+    reliability.add_argument("--emulate-budget", metavar="SIZE",
+                             help="behave as if the device had SIZE of memory, e.g. 300MiB or 11GiB")
+    reliability.add_argument("--save-every", type=int, metavar="N",
+                             help="checkpoint every N optimizer steps and at the end")
+    reliability.add_argument("--keep-last", type=int, metavar="K",
+                             help=f"complete checkpoints to keep [{defaults.keep_last}]")
+    reliability.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                             help="continue from the newest checkpoint in --output-dir, or from PATH")
+    reliability.add_argument("--overwrite", action="store_true", default=None,
+                             help="replace the run in an existing --output-dir")
+    reliability.add_argument("--memory-timeline", action="store_true", default=None,
+                             help="record memory at every allocation of step 2 into memory_timeline.json")
+    reliability.add_argument("--quantize", action="store_true", help="int8-quantize the model at the end "
+                                                                     "and report (memfit quantize)")
+
+
+def _rank_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, for_estimate: bool) -> None:
+    """More than one GPU."""
     ranks = parser.add_argument_group("more than one GPU (launch training with torchrun --nproc-per-node N -m "
                                       "memfit train ...); the effective batch is over all ranks")
     ranks.add_argument("--distributed", choices=DISTRIBUTED,
@@ -120,6 +152,10 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     if for_estimate:
         ranks.add_argument("--world-size", type=int, help="ranks to estimate one rank's peak for [1]")
     _bool_flag(ranks, "cpu-offload", "fsdp: keep parameter shards and the optimizer step on the host")
+
+
+def _device_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, for_estimate: bool) -> None:
+    """Where it runs (or, for estimate, what it is estimated for) and where it writes."""
     where = parser.add_argument_group("device and output")
     if for_estimate:
         where.add_argument("--device", dest="profile", default="cpu",
@@ -438,6 +474,23 @@ def print_devices(console: Console) -> None:
                       f"{profile.fp16_flops / 1e12:g}", f"{profile.bf16_flops / 1e12:g}" if profile.bf16_flops
                       else "no", "yes" if profile.tensor_cores else "no")
     console.print(table)
+    console.print(this_machine())
+
+
+def this_machine() -> str:
+    """The card this process sees, and whether the installed torch carries kernels for it."""
+    import torch
+
+    from memfit.devices import profile_for, resolve_device
+
+    if not torch.cuda.is_available():
+        return f"this machine: no CUDA device (torch {torch.__version__}); memfit trains on the CPU"
+    try:
+        device = resolve_device("cuda")  # checks torch.cuda.get_arch_list() against the card
+    except MemfitError as error:
+        return f"this machine: {error.problems[0]}"
+    return (f"this machine: {device.describe()}, profile {profile_for(device).name}; torch {torch.__version__} "
+            "runs on it")
 
 
 def print_quantize(console: Console, report: dict[str, Any]) -> None:

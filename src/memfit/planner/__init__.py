@@ -1,0 +1,51 @@
+"""The planner: the fastest setup that fits a memory budget, at the effective batch the user chose.
+
+The effective batch is never changed: the planner only chooses how to compute it. What it varies:
+
+- accuracy-neutral, always allowed: the micro-batch / accumulation split, the precision (fp32 and the
+  device's low precision: bf16 where native, else fp16 on CUDA), checkpointing (none, every 2nd layer, every
+  layer), and the optimizer's implementation (foreach kernels or a per-parameter loop);
+- opt-in, because they change what is learned: freezing (``allow_freeze``: the embeddings, or all but the top
+  half or quarter of the layers) and 8-bit optimizer states (``allow_8bit_optimizer``, needs bitsandbytes).
+  They are a last resort: used only when no accuracy-neutral setup fits, least freezing first.
+
+Cost model (all of it):
+
+    memory   peak(m) = the estimator's exact trace of the setup (memory.estimate), or a line through two
+             traces of the same family at micro-batches m1, m2: per phase (forward, backward,
+             optimizer) allocated(m) = a + b·m, the peak is the largest phase, plus the allocator's reserve
+             (also a line) and the non-PyTorch bytes of the device. A trace of two micro-steps stands for
+             any accumulation >= 2: every micro-step after the first sees the same live set, except the
+             window's input batches, which all live until the window ends (added per sample).
+    time     t(step) = E·F / (R_dtype·EFFICIENCY)            compute: F = traced FLOPs per sample (forward,
+                                                               backward, checkpointing's recompute), R_dtype
+                                                               = the profile's dense FLOP/s for the dtype
+             + (k·ops_micro + ops_optimizer)·τ                per-op host overhead: k micro-steps of a window
+             + trainable·BYTES_PER_TRAINED_PARAMETER / BW     the optimizer's memory traffic
+             + communication (``--gpus N``, per optimizer step, W = N ranks, r = (W-1)/W, link = the
+               profile's rank-to-rank bandwidth; taken as not hidden behind compute, an upper bound):
+               ddp   2r·trainable·4 / link                   the gradient all-reduce
+               fsdp  k·2r·params·b / link + r·trainable·4 / link   all-gathers in forward and backward of
+                                                               each micro-step (b: bytes of the compute
+                                                               dtype), one reduce-scatter of fp32 gradients
+               offload: fsdp's, plus k·2·params·b/W + trainable·4/W over the host link, and the optimizer
+               step on the host (its traffic at host memory speed)
+    speed    E / t(step) samples/s (E the global batch; with N ranks each computes E/N); fits = peak <=
+             budget·(1 - margin), the peak being one rank's.
+
+On a card whose fp16 rate equals its fp32 rate (Pascal), fp16 only adds cast ops: it is chosen for memory,
+never for speed. Search: families (precision x checkpointing x optimizer implementation) are traced in the
+order of their best possible speed (a bound from what was traced so far); a family that cannot beat the
+best fitting setup at any micro-batch is not traced. The chosen setup and the runner-up are confirmed with
+exact traces, as is any faster setup whose line comes within ``BAND`` of the budget.
+
+What only a GPU can confirm: EFFICIENCY and τ are typical eager-mode figures, not measured per card; the
+ranking depends on their ratio, the memory side does not.
+"""
+
+from memfit.planner.choose import plan, plan_for_run
+from memfit.planner.families import Candidate, Family
+from memfit.planner.report import Plan, load_plan
+from memfit.planner.search import micro_batch_sizes
+
+__all__ = ["Candidate", "Family", "Plan", "load_plan", "micro_batch_sizes", "plan", "plan_for_run"]

@@ -1,0 +1,172 @@
+"""``plan()``: the fastest setup of a run that fits a memory budget at its effective batch, and the plan a
+``memfit train --budget/--plan`` run trains with."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from rich.console import Console
+
+from memfit.build import Prepared
+from memfit.config import DEVICES, TrainConfig
+from memfit.devices import DeviceProfile, profile_for, resolve_profile
+from memfit.errors import ConfigError, Problems
+from memfit.memory.estimate import Estimate, prepare_trace
+from memfit.planner.families import CHECKPOINTING, Candidate, Family, strategies
+from memfit.planner.report import Plan, load_plan, rank_candidates, verdict_line
+from memfit.planner.search import Search
+from memfit.report import format_bytes
+from memfit.techniques.optim import optimizer_problems
+
+
+def plan(config: TrainConfig | None = None, *, model: str | None = None, device: str | DeviceProfile = "1080ti",
+         budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
+         image_size: int | None = None, margin: float = 0.05, allow_freeze: bool = False,
+         allow_8bit_optimizer: bool = False, precisions: tuple[str, ...] | None = None,
+         num_labels: int = 2, cache: dict[Any, Estimate] | None = None, gpus: int | None = None) -> Plan:
+    """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
+    at ``effective_batch``; see the module docstring for the search and its cost model.
+
+    ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
+    ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
+    on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's."""
+    started = time.perf_counter()
+    base = config or TrainConfig()
+    base = dataclasses.replace(base, model=model or base.model, effective_batch=effective_batch or base.effective_batch,
+                               micro_batch_size=None, accumulation_steps=None, budget=None, plan=None,
+                               world_size=gpus or base.world_size)
+    if base.world_size > 1 and base.distributed == "none":
+        base = dataclasses.replace(base, distributed="auto")
+    problems = Problems()
+    if base.world_size < 1:
+        problems.add(f"--gpus must be >= 1 (got {base.world_size})")
+    elif base.world_size > base.effective_batch:
+        problems.add(f"--gpus {base.world_size} is more than --effective-batch {base.effective_batch}: every GPU "
+                     "needs at least one sample of each step")
+    profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
+    budget_bytes = problems.collect(lambda: _budget_bytes(budget, profile))
+    if not 0.0 <= margin < 0.5:
+        problems.add(f"--margin {margin} must be between 0 and 0.5 (e.g. 0.05 for 5 %)")
+    if allow_8bit_optimizer:
+        problems.lines.extend(optimizer_problems("adamw8bit"))
+    if profile is not None:
+        allowed = profile.precisions()
+        for precision in precisions or ():
+            if precision not in allowed:
+                problems.add(f"--precision {precision}: not planned on {profile.description}; use one of "
+                             f"{', '.join(allowed)} (or auto)")
+        if min(profile.flops_for(p) for p in allowed) <= 0:
+            problems.add(f"device {profile.description} has no throughput figures to plan with; pass a profile "
+                         "file with fp32_flops (and fp16_flops/bf16_flops) as --device")
+    problems.raise_if_any(ConfigError)
+    assert profile is not None and budget_bytes is not None
+    spec = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1).spec  # errors now
+    usable = int(budget_bytes * (1 - margin))
+    search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
+                     num_labels=num_labels, cache=cache)
+    foreach_default = profile.kind == "cuda"  # torch's default: foreach kernels on CUDA, a loop on CPU
+    chosen_precisions = tuple(p for p in profile.precisions() if not precisions or p in precisions)
+    neutral = [Family(precision=p, checkpointing=c, foreach=foreach_default, optimizer=base.optimizer, strategy=s)
+               for s in strategies(base, profile)
+               for p in sorted(chosen_precisions, key=lambda p: -profile.flops_for(p)) for c in CHECKPOINTING]
+    search.search(neutral)
+    advice: list[str] = []
+    chosen = search.best(confirmed=True)
+    smallest = None
+    if chosen is None:  # nothing accuracy-neutral fits: a leaner optimizer step, then the opt-ins
+        smallest = search.smallest(neutral)
+        leaner = search.exact_candidate(dataclasses.replace(smallest.family, foreach=not smallest.family.foreach), 1)
+        if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
+            smallest = leaner
+        chosen = search.best(confirmed=True)
+    if chosen is None:
+        chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
+                                  allow_8bit=allow_8bit_optimizer)
+    ranked = rank_candidates(search, chosen, allowed=lambda f: (f.freeze == "none" or allow_freeze)
+                   and (f.optimizer != "adamw8bit" or allow_8bit_optimizer))
+    verdict = verdict_line(chosen, smallest, advice, usable, budget_bytes, margin)
+    length = seq_len or base.max_length
+    return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
+                device=profile.name, device_description=profile.description, model=base.model,
+                effective_batch=base.effective_batch, sequence_length=None if spec.modality == "vision" else length,
+                image_size=(image_size or int(spec.hf_config.image_size)) if spec.modality == "vision" else None,
+                verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
+                config=base.to_dict())
+
+
+def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Plan]:
+    """The config a run with ``--budget`` (plan now, for the device this run uses) or ``--plan`` (a saved
+    plan) trains with; the options the plan does not choose stay the run's."""
+    config = prepared.config
+    if config.plan is not None:
+        made = load_plan(config.plan)
+        if made.model != config.model:
+            raise ConfigError(f"--plan {config.plan} was made for --model {made.model}, not {config.model}; "
+                              "plan again for this model")
+        if made.device != profile_for(prepared.device).name:
+            console.print(f"[yellow]note:[/] {config.plan} was planned for {made.device_description}; this run "
+                          f"is on {prepared.device.describe()}")
+    else:
+        named = config.device not in DEVICES  # --device 1080ti: plan for that card
+        target = resolve_profile(config.device) if named else profile_for(prepared.device)
+        made = plan(config, device=target, budget=config.budget, seq_len=config.max_length,
+                    num_labels=len(prepared.label_names), gpus=config.world_size,
+                    precisions=None if config.precision == "auto" else (config.precision,))
+    if made.chosen is None:
+        raise ConfigError(made.verdict)
+    if made.effective_batch != config.effective_batch and config.plan is not None:
+        console.print(f"[yellow]note:[/] the plan's effective batch {made.effective_batch} replaces "
+                      f"{config.effective_batch}")
+    console.print(f"plan: {made.verdict} (planned in {made.seconds:.1f} s from {made.traces} traces)")
+    return made.to_config(base=config), made
+
+
+def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> int | None:
+    from memfit.units import parse_bytes
+
+    if isinstance(budget, int):
+        return budget
+    if budget is not None:
+        return parse_bytes(budget, option="--budget")
+    if profile is None:
+        return None
+    if profile.kind == "cpu":
+        raise ConfigError("--device cpu has no fixed memory: give --budget, e.g. --budget 2GiB")
+    return profile.memory_bytes
+
+
+def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, allow_freeze: bool,
+             allow_8bit: bool) -> tuple[Candidate | None, list[str]]:
+    """When nothing accuracy-neutral fits: what each opt-in needs at least; the least change that fits wins
+    if it is allowed, searched like the neutral families."""
+    assert smallest is not None
+    lean = smallest.family
+    freezes = list(dict.fromkeys(["embeddings", f"top-{max(1, num_layers // 2)}", f"top-{max(1, num_layers // 4)}"]))
+    options: list[tuple[str, bool, list[Family]]] = [
+        (f"--allow-freeze ({freeze})", allow_freeze,
+         [dataclasses.replace(lean, freeze=freeze, checkpointing=c) for c in CHECKPOINTING]) for freeze in freezes]
+    if not optimizer_problems("adamw8bit"):
+        options.insert(0, ("--allow-8bit-optimizer", allow_8bit,
+                           [dataclasses.replace(lean, optimizer="adamw8bit", checkpointing=c) for c in CHECKPOINTING]))
+    advice = []
+    for label, allowed, families in options:
+        try:
+            need = search.exact_candidate(families[-1], 1)  # full checkpointing, micro-batch 1: its least
+        except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest
+            if families[0].optimizer != "adamw8bit":
+                raise
+            advice.append(f"{label} could not be traced ({type(error).__name__}); it is not planned")
+            continue
+        fits = bool(need.fits)
+        advice.append(f"{label} {'would fit' if fits else 'would not fit either'}: it needs at least "
+                      f"{format_bytes(need.predicted_peak_bytes or 0)}")
+        if fits and allowed:
+            search.search(families)
+            chosen = search.best(confirmed=True)
+            if chosen is not None:
+                return chosen, advice
+    if optimizer_problems("adamw8bit"):
+        advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install bitsandbytes) to be planned")
+    return None, advice

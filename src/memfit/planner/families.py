@@ -1,0 +1,116 @@
+"""What the planner varies: a family of setups (precision, checkpointing, optimizer, freezing, strategy)
+and a candidate (a family at one micro-batch, with its predicted peak and speed)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import TrainConfig
+from memfit.devices import DeviceProfile
+
+CHECKPOINTING = ("none", "every-2", "full")
+"""The checkpointing a plan chooses from, least recompute first."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Family:
+    """Everything of a setup except the micro-batch split."""
+
+    precision: str
+    checkpointing: str
+    """``none | every-2 | full``."""
+    foreach: bool
+    freeze: str = "none"
+    """``none | embeddings | top-K`` (train only the top K layers)."""
+    optimizer: str = "adamw"
+    strategy: str = "none"
+    """More than one GPU: ``ddp``, ``fsdp`` or ``fsdp-offload``; ``none`` for one."""
+
+    @property
+    def ranks(self) -> bool:
+        return self.strategy != "none"
+
+    @property
+    def accuracy_neutral(self) -> bool:
+        return self.freeze == "none" and self.optimizer != "adamw8bit"
+
+    @property
+    def optimizer_label(self) -> str:
+        if self.optimizer == "adamw8bit":
+            return "adamw8bit"
+        return f"{self.optimizer}-{'foreach' if self.foreach else 'loop'}"
+
+    def configure(self, base: TrainConfig, *, micro_batch_size: int, effective_batch: int) -> TrainConfig:
+        """``base`` with this family's techniques and the given split (``effective_batch``: the global one,
+        over ``base.world_size`` ranks when the family is distributed)."""
+        top = int(self.freeze.removeprefix("top-")) if self.freeze.startswith("top-") else None
+        return dataclasses.replace(
+            base, micro_batch_size=micro_batch_size, accumulation_steps=None, effective_batch=effective_batch,
+            distributed=self.strategy.removesuffix("-offload"), cpu_offload=self.strategy == "fsdp-offload",
+            world_size=base.world_size if self.ranks else 1,
+            precision=self.precision, checkpointing="every-n" if self.checkpointing == "every-2" else
+            self.checkpointing, checkpoint_every=2, foreach=self.foreach, optimizer=self.optimizer,
+            freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
+            train_top_layers=top if top is not None else base.train_top_layers)
+
+
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    family: Family
+    micro_batch_size: int
+    accumulation_steps: int
+    predicted_peak_bytes: int | None
+    """What is compared with the budget: peak reserved by the allocator plus the non-PyTorch bytes."""
+    predicted_allocated_bytes: int | None
+    peak_phase: str | None
+    predicted_samples_per_second: float
+    exact: bool
+    """From an exact trace of this setup (else from the family's line)."""
+    fits: bool | None
+    """``None``: not traced, because it cannot beat the chosen setup."""
+    reason: str = ""
+    relative_speed: float | None = None
+    """Predicted samples/s relative to the chosen setup."""
+    world_size: int = 1
+    """Ranks whose windows make one optimizer step (1 unless the family is distributed)."""
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks: ``predicted_samples_per_second`` counts them all."""
+        return self.micro_batch_size * self.accumulation_steps * self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps,
+                "precision": self.family.precision, "checkpointing": self.family.checkpointing,
+                "optimizer": self.family.optimizer_label, "foreach": self.family.foreach,
+                "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
+                "distributed": self.family.strategy, "world_size": self.world_size,
+                "predicted_peak_bytes": self.predicted_peak_bytes,
+                "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
+                "predicted_samples_per_second": self.predicted_samples_per_second,
+                "predicted_optimizer_steps_per_second": self.predicted_samples_per_second / self.global_batch,
+                "relative_speed": self.relative_speed, "exact": self.exact, "fits": self.fits,
+                "reason": self.reason}
+
+    def describe(self) -> str:
+        freeze = "" if self.family.freeze == "none" else f", freeze {self.family.freeze}"
+        ranks = f"{self.family.strategy}, " if self.family.ranks else ""
+        per_rank = " per rank" if self.family.ranks else ""
+        return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
+                f"{self.family.precision}, checkpointing {self.family.checkpointing}, "
+                f"{self.family.optimizer_label}{freeze}")
+
+
+def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
+    """What a plan for ``base.world_size`` ranks may choose from: replicate first, then shard, then offload
+    (CUDA only; on CPU the shards already live in host memory)."""
+    if base.world_size == 1:
+        return ("none",)
+    offload = ("fsdp-offload",) if profile.kind == "cuda" else ()
+    if base.distributed == "ddp":
+        return ("ddp",)
+    if base.distributed == "fsdp":
+        return ("fsdp-offload",) if base.cpu_offload and offload else ("fsdp", *offload)
+    return ("ddp", "fsdp", *offload)

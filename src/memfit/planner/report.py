@@ -1,0 +1,172 @@
+"""A plan: the chosen setup, the ranked candidates and the verdict; saving and loading it, and turning it
+into a training config or HF TrainingArguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.config import TrainConfig, from_mapping
+from memfit.errors import ConfigError
+from memfit.planner.families import Candidate, Family
+from memfit.planner.search import Search
+from memfit.report import format_bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    chosen: Candidate | None
+    candidates: list[Candidate]
+    """Ranked: fitting setups by predicted speed, then the rest by predicted peak."""
+    budget_bytes: int
+    usable_bytes: int
+    """The budget less the margin: what a setup's predicted peak must stay under."""
+    margin: float
+    device: str
+    device_description: str
+    model: str
+    effective_batch: int
+    sequence_length: int | None
+    image_size: int | None
+    verdict: str
+    """One line: what was chosen and why, or why nothing fits and what would."""
+    traces: int
+    seconds: float
+    config: dict[str, Any] = field(default_factory=dict)
+    """The base training options the plan was made for (its own choices applied by :meth:`to_config`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen.to_dict() if self.chosen else None,
+                "candidates": [candidate.to_dict() for candidate in self.candidates],
+                "budget_bytes": self.budget_bytes, "usable_bytes": self.usable_bytes, "margin": self.margin,
+                "device": self.device, "device_description": self.device_description, "model": self.model,
+                "effective_batch": self.effective_batch, "sequence_length": self.sequence_length,
+                "image_size": self.image_size, "verdict": self.verdict, "traces": self.traces,
+                "seconds": self.seconds, "config": self.config}
+
+    def summary(self) -> dict[str, Any]:
+        """The chosen setup as planned, the budget and the verdict (what a run's summary keeps)."""
+        return {"chosen": self.chosen.to_dict() if self.chosen else None, "budget_bytes": self.budget_bytes,
+                "usable_bytes": self.usable_bytes, "device": self.device, "verdict": self.verdict}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    def to_config(self, base: TrainConfig | None = None) -> TrainConfig:
+        """The training config that runs the chosen setup (``base``: the plan's own options)."""
+        if self.chosen is None:
+            raise ConfigError(self.verdict)
+        base = dataclasses.replace(base or from_mapping(self.config), budget=None, plan=None)
+        return self.chosen.family.configure(base, micro_batch_size=self.chosen.micro_batch_size,
+                                            effective_batch=self.effective_batch)
+
+    def to_training_arguments(self) -> dict[str, Any]:
+        """Keyword arguments for ``transformers.TrainingArguments`` that run the chosen setup in HF Trainer.
+
+        Trainer checkpoints every layer, so an every-2 plan becomes full checkpointing there (less memory,
+        slower). A for-loop AdamW plan maps to fused AdamW, which keeps no gradient-sized temporaries either.
+        Freezing is not a training argument: a plan that freezes warns, and the caller freezes the model.
+        """
+        if self.chosen is None:
+            raise ConfigError(self.verdict)
+        family = self.chosen.family
+        if family.freeze != "none":
+            warnings.warn(f"the plan freezes {family.freeze}: freeze those parameters (requires_grad=False) "
+                          "before building the Trainer", stacklevel=2)
+        optim = {"adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}.get(family.optimizer) or (
+            "adamw_torch" if family.foreach else "adamw_torch_fused")
+        config = from_mapping(self.config)
+        arguments: dict[str, Any] = {
+            "per_device_train_batch_size": self.chosen.micro_batch_size,
+            "gradient_accumulation_steps": self.chosen.accumulation_steps,
+            "fp16": family.precision == "fp16", "bf16": family.precision == "bf16",
+            "gradient_checkpointing": family.checkpointing != "none", "optim": optim,
+            "learning_rate": config.lr, "weight_decay": config.weight_decay,
+            "max_grad_norm": config.max_grad_norm if config.max_grad_norm is not None else 0.0,
+        }
+        if family.checkpointing != "none":
+            arguments["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        if self.device == "cpu":
+            arguments["use_cpu"] = True
+        return arguments
+
+
+def load_plan(path: str | Path) -> Plan:
+    """A plan saved by ``memfit plan --save`` (or :meth:`Plan.save`)."""
+    file = Path(path)
+    try:
+        raw = json.loads(file.read_text())
+        chosen = raw["chosen"]
+        return Plan(chosen=_candidate(chosen) if chosen else None, candidates=[],
+                    **{name: raw[name] for name in ("budget_bytes", "usable_bytes", "margin", "device",
+                                                     "device_description", "model", "effective_batch",
+                                                     "sequence_length", "image_size", "verdict", "traces",
+                                                     "seconds", "config")})
+    except FileNotFoundError:
+        raise ConfigError(f"--plan {path}: no such file; make one with memfit plan ... --save {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"--plan {path}: not a plan saved by memfit plan --save ({error!r}); "
+                          "make it again") from None
+
+
+def _candidate(raw: dict[str, Any]) -> Candidate:
+    family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], foreach=raw["foreach"],
+                    freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
+                    strategy=raw.get("distributed", "none"))
+    return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
+                     accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
+                     predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
+                     predicted_samples_per_second=raw["predicted_samples_per_second"], exact=raw["exact"],
+                     fits=raw["fits"], reason=raw["reason"], relative_speed=raw["relative_speed"],
+                     world_size=raw.get("world_size", 1))
+
+
+def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callable[[Family], bool]) -> list[Candidate]:
+    traced = list(search.candidates.values())
+    fitting = sorted((c for c in traced if c.fits and allowed(c.family)), key=lambda c: -c.predicted_samples_per_second)
+    rest = sorted((c for c in traced if c not in fitting), key=lambda c: c.predicted_peak_bytes or 0)
+    runner_up = next((c for c in fitting if c is not chosen), None) if chosen is not None else None
+    reference = chosen.predicted_samples_per_second if chosen else None
+    for candidate in fitting + rest:
+        if not allowed(candidate.family):
+            flag = "--allow-freeze" if candidate.family.freeze != "none" else "--allow-8bit-optimizer"
+            candidate.reason = f"{'fits' if candidate.fits else 'does not fit'}; opt-in, needs {flag}"
+        elif candidate is chosen:
+            candidate.reason = "chosen: fastest that fits" + (
+                "" if candidate.family.accuracy_neutral else " (an opt-in: changes what is learned)")
+        elif candidate is runner_up:
+            candidate.reason = "runner-up"
+        elif candidate.fits:
+            candidate.reason = "fits, slower"
+        else:
+            candidate.reason = f"over {format_bytes(search.usable)} usable"
+    pruned = []
+    for family in search.considered:
+        if family in search.lines:
+            continue
+        best_case = search.global_batch / search.lower_bound_seconds(family)  # samples of all ranks, as above
+        pruned.append(Candidate(family=family, micro_batch_size=search.effective, accumulation_steps=1,
+                                predicted_peak_bytes=None, predicted_allocated_bytes=None, peak_phase=None,
+                                predicted_samples_per_second=best_case, exact=False, fits=None,
+                                reason="not traced: cannot beat the chosen", world_size=search.ranks(family)))
+    ranked = fitting + rest + pruned
+    for candidate in ranked:
+        if reference:
+            candidate.relative_speed = candidate.predicted_samples_per_second / reference
+    return ranked
+
+
+def verdict_line(chosen: Candidate | None, smallest: Candidate | None, advice: list[str], usable: int,
+             budget: int, margin: float) -> str:
+    where = f"{format_bytes(budget)} ({format_bytes(usable)} usable with the {margin:.0%} margin)"
+    if chosen is not None:
+        return (f"{chosen.describe()} fits {where}: needs {format_bytes(chosen.predicted_peak_bytes or 0)}, "
+                f"predicted {chosen.predicted_samples_per_second:.1f} samples/s")
+    assert smallest is not None
+    return (f"nothing fits {where}: the smallest any allowed setup needs is "
+            f"{format_bytes(smallest.predicted_peak_bytes or 0)} ({smallest.describe()}); " + "; ".join(advice))

@@ -1,0 +1,216 @@
+"""The search: trace families in the order of their best possible speed, fit a line per family, predict
+every micro-batch, confirm the fastest fitting setups with exact traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import TrainConfig
+from memfit.devices import DeviceProfile
+from memfit.memory.estimate import Estimate, estimate
+from memfit.planner.families import CHECKPOINTING, Candidate, Family
+from memfit.planner.speed import STEPS, StepCost, step_seconds
+
+BAND = 0.10
+"""A fitted setup this close above the usable budget is traced exactly before it is rejected."""
+
+
+def micro_batch_sizes(effective_batch: int) -> list[int]:
+    """Micro-batch sizes worth trying, largest first: E/k rounded up for k a divisor of E or a power of two
+    (a remainder goes to a smaller last micro-step), one per distinct size."""
+    splits = {k for k in range(1, effective_batch + 1) if effective_batch % k == 0}
+    splits |= {2**i for i in range(effective_batch.bit_length()) if 2**i <= effective_batch}
+    return sorted({math.ceil(effective_batch / k) for k in splits}, reverse=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """A family's peak as a function of the micro-batch, through its two traces with accumulation."""
+
+    low: Estimate
+    high: Estimate | None
+
+    def at(self, micro: int) -> tuple[int, int, str]:
+        """(compared bytes, allocated bytes, peak phase) at ``micro``."""
+        def line(low: float, high: float) -> float:
+            if self.high is None:
+                return low
+            slope = (high - low) / (self.high.micro_batch_size - self.low.micro_batch_size)
+            return low + slope * (micro - self.low.micro_batch_size)
+
+        other = self.high or self.low
+        phases = {name: line(value, other.phases.get(name, value)) for name, value in self.low.phases.items()}
+        phase = max(phases, key=lambda name: phases[name])
+        reserve = max(0.0, line(self.low.peak_reserved_bytes - self.low.peak_bytes,
+                                other.peak_reserved_bytes - other.peak_bytes))
+        allocated = int(phases[phase])
+        return int(allocated + reserve) + self.low.non_pytorch_bytes, allocated, phase
+
+
+class Search:
+    def __init__(self, base: TrainConfig, profile: DeviceProfile, *, usable_bytes: int, seq_len: int | None,
+                 image_size: int | None, num_labels: int, cache: dict[Any, Estimate] | None = None) -> None:
+        self.base, self.profile, self.usable = base, profile, usable_bytes
+        self.seq_len, self.image_size, self.num_labels = seq_len, image_size, num_labels
+        self.global_batch = base.effective_batch
+        self.world_size = base.world_size
+        self.effective = base.per_rank_batch
+        """Samples of a window one rank computes (the global batch with one GPU)."""
+        self.micros = micro_batch_sizes(self.effective)
+        self.traces: dict[tuple[Family, int, bool, bool], Estimate] = {}
+        self.cache = {} if cache is None else cache
+        self.lines: dict[Family, _Line] = {}
+        self.costs: dict[Family, StepCost] = {}
+        self.candidates: dict[tuple[Family, int], Candidate] = {}
+        self.considered: list[Family] = []
+        """Every family searched, traced or not."""
+
+    def ranks(self, family: Family) -> int:
+        return self.world_size if family.ranks else 1
+
+    # --- tracing ---
+    def trace(self, family: Family, micro: int, *, accumulate: bool, lean: bool = False) -> Estimate:
+        """A trace; ``accumulate``: windows of two micro-steps (exact for any accumulation >= 2, with the
+        window's other inputs added); ``lean``: a one-micro-batch first step (the fit's points: the same
+        allocated peak for a quarter fewer ops; the allocator's reserve can differ, so confirmations are not
+        lean and equal ``memfit estimate``)."""
+        lean = lean and accumulate  # a window of one micro-batch is lean already
+        key = (family, micro, accumulate, lean)
+        if key not in self.traces:
+            ranks = self.ranks(family)
+            config = family.configure(self.base, micro_batch_size=micro,
+                                      effective_batch=(2 * micro if accumulate else micro) * ranks)
+            shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
+                      self.num_labels)
+            if shared not in self.cache:
+                self.cache[shared] = estimate(config, device=self.profile, seq_len=self.seq_len,
+                                              image_size=self.image_size, num_labels=self.num_labels, steps=STEPS,
+                                              count_flops=True, lean_warmup=lean)
+            self.traces[key] = self.cache[shared]
+        return self.traces[key]
+
+    def exact(self, family: Family, micro: int) -> Estimate:
+        return self.trace(family, micro, accumulate=math.ceil(self.effective / micro) > 1)
+
+    def fit(self, family: Family) -> None:
+        """Trace ``family`` at its two largest micro-batches with accumulation and predict every split."""
+        accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
+        if accumulated:
+            traces = [self.trace(family, micro, accumulate=True, lean=True) for micro in accumulated[:2]]
+            self.lines[family] = _Line(traces[-1], traces[0] if len(traces) > 1 else None)
+        else:  # an effective batch of 1: one setup, traced exactly
+            self.lines[family] = _Line(self.exact(family, 1), None)
+        self.costs[family] = self.step_cost(family, self.lines[family].low)
+        for micro in self.micros:
+            self.predict(family, micro)
+
+    def predict(self, family: Family, micro: int) -> Candidate:
+        steps = math.ceil(self.effective / micro)
+        full, lean = (family, micro, steps > 1, False), (family, micro, steps > 1, steps > 1)
+        if full in self.traces or lean in self.traces:
+            trace = self.traces.get(full) or self.traces[lean]
+            peak, allocated, phase = trace.total_bytes, trace.peak_bytes, trace.peak_phase
+            exact = full in self.traces
+        else:
+            trace = self.lines[family].low
+            (peak, allocated, phase), exact = self.lines[family].at(micro), False
+        if steps > 1:  # traced with a window of 2 micro-batches: the rest of the window's inputs
+            extra = int(trace.breakdown["inputs"] / (2 * trace.micro_batch_size) * (self.effective - 2 * micro))
+            peak, allocated = peak + extra, allocated + extra
+        seconds = step_seconds(self.costs[family], self.profile, family.precision,
+                               effective_batch=self.effective, accumulation_steps=steps, strategy=family.strategy,
+                               world_size=self.world_size)
+        candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
+                              predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
+                              predicted_samples_per_second=self.global_batch / seconds, exact=exact,
+                              fits=peak <= self.usable, world_size=self.ranks(family))
+        self.candidates[(family, micro)] = candidate
+        return candidate
+
+    def step_cost(self, family: Family, trace: Estimate) -> StepCost:
+        """The family's step cost from its trace. FSDP's optimizer step runs on DTensors, whose inner ops a
+        trace does not see: it costs at least the ops of a replica's step with the same optimizer."""
+        cost = StepCost.of(trace)
+        if not family.strategy.startswith("fsdp"):
+            return cost
+        replicas = [known.ops_per_optimizer_step for other, known in self.costs.items()
+                    if other.strategy in ("none", "ddp") and (other.foreach, other.optimizer, other.freeze)
+                    == (family.foreach, family.optimizer, family.freeze)]
+        return dataclasses.replace(cost, ops_per_optimizer_step=max([cost.ops_per_optimizer_step, *replicas]))
+
+    # --- search ---
+    def lower_bound_seconds(self, family: Family) -> float:
+        """No setup of ``family`` is faster than this, by what is known from the traced families: FLOPs grow
+        with checkpointing, ops with checkpointing and with autocast's casts."""
+        rank = CHECKPOINTING.index(family.checkpointing)
+        known = [(other, cost) for other, cost in self.costs.items()
+                 if other.freeze == family.freeze and other.optimizer == family.optimizer
+                 and CHECKPOINTING.index(other.checkpointing) <= rank
+                 and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
+        flops = max((cost.flops_per_sample for _, cost in known), default=0.0)
+        ops = max((cost.ops_per_micro_step for other, cost in known
+                   if other.precision in (family.precision, "fp32")), default=0.0)
+        step_ops = min((cost.ops_per_optimizer_step for other, cost in known if other.foreach == family.foreach),
+                       default=0.0)
+        trainable = min((cost.trainable_parameters for _, cost in known), default=0)
+        parameters = min((cost.parameters for _, cost in known), default=0)
+        bound = StepCost(flops_per_sample=flops, ops_per_micro_step=ops, ops_per_optimizer_step=step_ops,
+                         trainable_parameters=trainable, parameters=parameters)
+        return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
+                            accumulation_steps=1, strategy=family.strategy, world_size=self.world_size)
+
+    def best(self, *, confirmed: bool) -> Candidate | None:
+        fitting = [c for c in self.candidates.values() if c.fits and (c.exact or not confirmed)]
+        return max(fitting, key=lambda c: c.predicted_samples_per_second, default=None)
+
+    def search(self, families: list[Family]) -> None:
+        """Fit families in the order of their best possible speed until none can beat the best fitting setup,
+        then confirm the top setups exactly; repeat while a confirmation changes the answer."""
+        order = {family: index for index, family in enumerate(families)}
+        self.considered.extend(family for family in families if family not in self.considered)
+        while True:
+            best = self.best(confirmed=False)
+            best_seconds = self.global_batch / best.predicted_samples_per_second if best else math.inf
+            open_families = [family for family in families if family not in self.lines
+                             and self.lower_bound_seconds(family) < best_seconds * (1 - 1e-9)]
+            if open_families:
+                self.fit(min(open_families, key=lambda f: (self.lower_bound_seconds(f), order[f])))
+                continue
+            if not self.confirm():
+                return
+
+    def confirm(self) -> bool:
+        """Trace exactly the two fastest fitting setups, and any faster one within ``BAND`` above the budget.
+        Returns whether any prediction changed."""
+        changed = False
+        confirmed = 0
+        for candidate in sorted(self.candidates.values(), key=lambda c: -c.predicted_samples_per_second):
+            if confirmed == 2:
+                break
+            near = candidate.predicted_peak_bytes is not None and \
+                candidate.predicted_peak_bytes <= self.usable * (1 + BAND)
+            if not candidate.exact and (candidate.fits or near):
+                self.exact(candidate.family, candidate.micro_batch_size)
+                updated = self.predict(candidate.family, candidate.micro_batch_size)
+                changed = changed or updated.fits != candidate.fits
+                candidate = updated
+            if candidate.fits:
+                confirmed += 1
+        return changed
+
+    def exact_candidate(self, family: Family, micro: int) -> Candidate:
+        """``family`` at ``micro`` from an exact trace (without fitting the family's line)."""
+        trace = self.exact(family, micro)
+        self.costs.setdefault(family, self.step_cost(family, trace))
+        return self.predict(family, micro)
+
+    def smallest(self, families: list[Family]) -> Candidate:
+        """The least memory any of ``families`` needs, traced exactly: micro-batch 1 of the family whose line
+        is lowest there."""
+        fitted = [family for family in families if family in self.lines]
+        least = min((self.predict(family, 1) for family in fitted), key=lambda c: c.predicted_peak_bytes or 0)
+        return self.exact_candidate(least.family, 1)

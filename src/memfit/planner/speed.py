@@ -1,0 +1,63 @@
+"""The planner's cost model of a step's time: compute, per-op host overhead, optimizer traffic and (with
+several GPUs) communication; see :mod:`memfit.planner` for the formulas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.devices import DeviceProfile
+from memfit.memory.estimate import Estimate
+
+EFFICIENCY = 0.5
+"""Share of the dense peak FLOP/s an eager transformer step reaches."""
+BYTES_PER_TRAINED_PARAMETER = 32
+"""AdamW step traffic: read weight, gradient and two states, write weight and two states (fp32), plus the
+norm's read of the gradient."""
+HOST_MEMORY_BANDWIDTH = 20e9
+"""Bytes per second of the host's memory: where an offloaded optimizer step runs."""
+STEPS = 2
+"""Optimizer steps per trace: the steady state (Adam's states live) starts in step 2."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCost:
+    """What a family's step costs besides its FLOP rate, from one of its traces."""
+
+    flops_per_sample: float
+    ops_per_micro_step: float
+    ops_per_optimizer_step: float
+    trainable_parameters: int
+    parameters: int = 0
+
+    @classmethod
+    def of(cls, trace: Estimate) -> StepCost:
+        assert trace.flops is not None, "planner traces count FLOPs"
+        micro_steps = trace.traced_micro_steps
+        ops = trace.phase_ops
+        return cls(flops_per_sample=trace.flops / trace.traced_samples,
+                   ops_per_micro_step=(ops.get("forward", 0) + ops.get("backward", 0)) / micro_steps,
+                   ops_per_optimizer_step=ops.get("optimizer", 0) / STEPS,
+                   trainable_parameters=trace.trainable_parameters, parameters=trace.parameters)
+
+
+def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
+                 accumulation_steps: int, strategy: str = "none", world_size: int = 1) -> float:
+    """The cost model's time of one optimizer step of one rank (see the module docstring);
+    ``effective_batch`` is the samples this rank computes."""
+    compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
+    overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
+    traffic = cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER / profile.memory_bandwidth
+    if strategy == "none" or world_size == 1:
+        return compute + overhead + traffic
+    share = (world_size - 1) / world_size
+    gradients = 4 * cost.trainable_parameters
+    if strategy == "ddp":
+        return compute + overhead + traffic + 2 * share * gradients / profile.link_bandwidth
+    gathered = 2 * accumulation_steps * cost.parameters * (4 if precision == "fp32" else 2)
+    communication = share * (gathered + gradients) / profile.link_bandwidth
+    traffic /= world_size  # each rank steps its shard
+    if strategy == "fsdp-offload":
+        host = (gathered + gradients) / world_size / profile.host_bandwidth
+        traffic = traffic * profile.memory_bandwidth / HOST_MEMORY_BANDWIDTH
+        communication += host
+    return compute + overhead + traffic + communication
