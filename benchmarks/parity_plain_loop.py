@@ -70,7 +70,8 @@ def plain_loop(config: TrainConfig, *, track: bool) -> dict[str, Any]:
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n.lower()]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "norm" in n.lower()]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=config.lr,
+                                      fused=True)  # memfit's default AdamW: the same arithmetic on both sides
         steps = config.max_steps or 1
         warmup = int(steps * config.warmup_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / (warmup + 1)

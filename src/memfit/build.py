@@ -24,7 +24,7 @@ from memfit.errors import ConfigError, DataError, Problems
 from memfit.models import ModelSpec, build_model, check_compatible, load_tokenizer, resolve_model
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
-from memfit.techniques.optim import build_optimizer, optimizer_problems
+from memfit.techniques.optim import build_optimizer, optimizer_problems, step_kernels
 from memfit.techniques.precision import Precision, resolve_precision
 
 
@@ -129,6 +129,9 @@ def build_optimizer_for(model: nn.Module, config: TrainConfig, *,
                         foreach_default: bool | None = None) -> torch.optim.Optimizer:
     """The run's optimizer; ``foreach_default`` stands in for torch's own default when ``config.foreach`` is
     unset (a trace on CPU for a CUDA target must pick what torch would pick on the card)."""
-    foreach = config.foreach if config.foreach is not None else foreach_default
+    foreach, fused = step_kernels(config.optimizer, foreach=config.foreach, fused=config.fused,
+                                  distributed=config.distributed != "none")
+    if foreach is None and not fused:
+        foreach = foreach_default
     return build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
-                           momentum=config.momentum, foreach=foreach)
+                           momentum=config.momentum, foreach=foreach, fused=fused)

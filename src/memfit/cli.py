@@ -99,7 +99,8 @@ def _optimizer_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -
     """The optimizer, clipping and the non-finite guard."""
     optim = parser.add_argument_group("optimizer and stability")
     optim.add_argument("--optimizer", choices=OPTIMIZERS, help=f"[{defaults.optimizer}]")
-    _bool_flag(optim, "foreach", "multi-tensor optimizer kernels (faster, higher step peak)")
+    _bool_flag(optim, "fused", "AdamW's fused kernel: fastest, no temporaries [on in one process]")
+    _bool_flag(optim, "foreach", "multi-tensor optimizer kernels (faster than a loop, higher step peak)")
     optim.add_argument("--lr", type=float, help=f"peak learning rate [{defaults.lr:g}]")
     optim.add_argument("--weight-decay", type=float, help=f"[{defaults.weight_decay}]")
     optim.add_argument("--warmup-ratio", type=float, help=f"[{defaults.warmup_ratio}]")

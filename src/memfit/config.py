@@ -90,8 +90,12 @@ class TrainConfig:
     optimizer: str = "adamw"
     """``adamw | sgd | adamw8bit`` (the last needs bitsandbytes)."""
     foreach: bool | None = None
-    """Multi-tensor (foreach) optimizer kernels: faster, but hold a temporary copy of the gradients during the
-    step. ``None`` keeps torch's default."""
+    """Multi-tensor (foreach) optimizer kernels: faster than a loop, but hold a temporary copy of the gradients
+    during the step. ``None`` keeps torch's default (when the step is not fused)."""
+    fused: bool | None = None
+    """AdamW's fused kernel: the whole update in one kernel per parameter group, with no gradient-sized
+    temporaries: the fastest and leanest step where torch has it (CPU and CUDA). ``None``: fused for AdamW in
+    one process unless ``foreach`` is set (either way); distributed runs keep torch's default."""
     lr: float = 5e-5
     """Peak learning rate of the linear warmup/decay schedule."""
     weight_decay: float = 0.01
@@ -156,6 +160,7 @@ class TrainConfig:
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
         _check_distributed(problems, self)
+        _check_step_kernels(problems, self)
         if self.device not in DEVICES:
             problems.lines.extend(_gpu_profile_problems(self.device))
         for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
@@ -270,6 +275,13 @@ def _check_types(problems: Problems, config: TrainConfig) -> None:
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             expected = " or ".join(_NAMES[part] for part in parts)
             problems.add(f"--{spec.name.replace('_', '-')} must be {expected} (got {value!r})")
+
+
+def _check_step_kernels(problems: Problems, config: TrainConfig) -> None:
+    if config.fused and config.optimizer != "adamw":
+        problems.add(f"--fused is AdamW's kernel, not --optimizer {config.optimizer}'s; drop --fused")
+    if config.fused and config.foreach:
+        problems.add("--fused and --foreach are two implementations of the same step; give one of them")
 
 
 def _check_distributed(problems: Problems, config: TrainConfig) -> None:

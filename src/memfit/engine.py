@@ -35,7 +35,7 @@ from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.run import Run
 from memfit.step import optimizer_step
 from memfit.techniques.oom import OomRecovery
-from memfit.techniques.optim import build_scheduler
+from memfit.techniques.optim import build_scheduler, step_kernels
 from memfit.techniques.stability import StepCheck
 from memfit.windows import PartialWindow, WindowResult, evaluate, window_runner
 
@@ -339,6 +339,13 @@ def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
     return f"; a micro-batch of 1 needs {format_bytes(needed)} (memfit estimate)"
 
 
+def kernels_label(config: TrainConfig) -> str:
+    """How the optimizer step runs: ``fused``, ``foreach``, ``loop``, or torch's default."""
+    foreach, fused = step_kernels(config.optimizer, foreach=config.foreach, fused=config.fused,
+                                  distributed=config.distributed != "none")
+    return "fused" if fused else {True: "foreach", False: "loop", None: "torch default"}[foreach]
+
+
 def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int) -> list[tuple[str, str]]:
     """The resolved config, as (name, value) rows for the console."""
     config = prepared.config
@@ -364,7 +371,7 @@ def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int
         ("parameters", f"{trainable:,} trainable of {total:,} "
                        f"({format_bytes(4 * total)} in fp32)"),
         ("optimizer", f"{config.optimizer} lr {config.lr:g}, weight decay {config.weight_decay:g}, "
-                      f"foreach {config.foreach if config.foreach is not None else 'default'}, "
+                      f"step {kernels_label(config)}, "
                       f"clip {config.max_grad_norm if config.max_grad_norm is not None else 'off'}"),
         ("schedule", f"{config.epochs} epoch(s), max steps {config.max_steps or '-'}, seed {config.seed}, "
                      f"max length {config.max_length}"),

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from memfit import TrainConfig
+from memfit.build import build_optimizer_for
 from memfit.errors import ConfigError
 from memfit.memory.estimate import CATEGORIES, Estimate, estimate
 from tests.conftest import TINY_BERT, TINY_GPT2, TINY_VIT, build_tiny_bert, write_model_dir
@@ -24,6 +25,7 @@ GRID: list[tuple[str, dict[str, Any]]] = [
     ("vit", {"precision": "bf16", "train_top_layers": 1, "optimizer": "sgd"}),
     ("bert", {"precision": "fp32", "foreach": True}),
     ("bert", {"precision": "fp32", "foreach": False, "max_grad_norm": None}),
+    ("gpt2", {"precision": "bf16", "fused": True, "accumulation_steps": 2}),
     ("gpt2", {"precision": "bf16", "optimizer": "sgd", "momentum": 0.0, "micro_batch_size": 3}),
 ]
 
@@ -44,7 +46,8 @@ def test_cpu_estimate_equals_a_real_cpu_run(tmp_path: Path, arch: str, overrides
 
 def test_steady_state_needs_the_second_step(tmp_path: Path) -> None:
     model = write_model_dir(tmp_path / "bert", TINY_BERT)
-    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="fp32")
+    # a loop step: its peak has every gradient and state alive (a fused step peaks in backward instead)
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="fp32", foreach=False)
     one, two = estimate(config, steps=1), estimate(config, steps=2)
     assert two.phases["forward"] > one.phases["forward"]  # AdamW's state is live in step 2's forward
     # exp_avg and exp_avg_sq per parameter, plus AdamW's fp32 step counter per parameter (host-side on CUDA)
@@ -54,7 +57,7 @@ def test_steady_state_needs_the_second_step(tmp_path: Path) -> None:
 
 def test_breakdown_follows_the_techniques(tmp_path: Path) -> None:
     model = write_model_dir(tmp_path / "bert", TINY_BERT)
-    base = {"model": str(model), "effective_batch": 8, "max_length": 24, "precision": "fp32"}
+    base = {"model": str(model), "effective_batch": 8, "max_length": 24, "precision": "fp32", "foreach": False}
     plain = estimate(TrainConfig(**base))
     frozen = estimate(TrainConfig(**base, train_top_layers=1))
     sgd = estimate(TrainConfig(**base, optimizer="sgd"))
@@ -65,7 +68,7 @@ def test_breakdown_follows_the_techniques(tmp_path: Path) -> None:
 
 def test_cuda_target_rounds_blocks_and_checks_the_budget(tmp_path: Path) -> None:
     model = write_model_dir(tmp_path / "bert", TINY_BERT)
-    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="auto")
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="auto", foreach=True)
     result = estimate(config, device="1080ti")
     assert result.precision == "fp16"  # auto on a card without native bf16
     assert result.peak_bytes % 512 == 0 and result.peak_reserved_bytes >= result.peak_bytes
@@ -73,6 +76,23 @@ def test_cuda_target_rounds_blocks_and_checks_the_budget(tmp_path: Path) -> None
     assert result.peak_phase == "optimizer"
     assert result.breakdown["optimizer_state"] == 2 * result.breakdown["gradients"]  # step counters on the host
     assert estimate(config, device="a100-80").precision == "bf16"
+    fused = estimate(TrainConfig(model=str(model), effective_batch=8, max_length=24, precision="fp16"),
+                     device="1080ti")
+    assert fused.config["fused"] is None and fused.peak_bytes < result.peak_bytes  # no foreach temporaries
+    # a fused step keeps its step counters on the card, one 512-byte block each
+    assert fused.breakdown["optimizer_state"] > 2 * result.breakdown["gradients"]
+
+
+def test_the_default_step_is_fused_adamw_and_the_leanest(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    base = {"model": str(model), "effective_batch": 8, "max_length": 24, "precision": "fp32"}
+    peaks = {name: estimate(TrainConfig(**base, **options)).peak_bytes
+             for name, options in (("fused", {}), ("loop", {"foreach": False}), ("foreach", {"foreach": True}))}
+    assert peaks["fused"] < min(peaks["loop"], peaks["foreach"])  # its update makes no parameter-sized temporaries
+    optimizer = build_optimizer_for(build_tiny_bert(), TrainConfig(**base))
+    assert optimizer.defaults["fused"] is True
+    distributed = TrainConfig(**base, distributed="ddp", world_size=2)
+    assert not build_optimizer_for(build_tiny_bert(), distributed).defaults["fused"]  # torch's default there
 
 
 def test_fused_attention_keeps_no_scores_on_cuda_targets(tmp_path: Path) -> None:

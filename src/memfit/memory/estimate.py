@@ -279,7 +279,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
         optimizer_step(optimizer, trained, window_loss, scaler=scaler, max_grad_norm=config.max_grad_norm,
                        scheduler=scheduler, phases=phases, read=read,
                        after_update=None if tracker is None else functools.partial(
-                           label_optimizer_state, tracker, optimizer, host_step_counters=cuda))
+                           label_optimizer_state, tracker, optimizer,
+                           host_step_counters=cuda and not optimizer.defaults.get("fused")))
         del window_loss, micro_batches
         if after_step is not None:
             after_step(step)
@@ -289,7 +290,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
 def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimizer, *,
                           host_step_counters: bool) -> None:
     """Count the optimizer's state as ``optimizer_state``; on CUDA, Adam's step counters live on the host
-    (unless the optimizer is fused or capturable), so they are not device memory."""
+    unless the step is fused (or capturable), so then they are not device memory."""
     state = [(key, value) for per_param in optimizer.state.values()
              for key, value in per_param.items() if isinstance(value, torch.Tensor)]
     tracker.relabel([value for _, value in state], "optimizer_state")

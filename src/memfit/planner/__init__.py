@@ -4,7 +4,8 @@ The effective batch is never changed: the planner only chooses how to compute it
 
 - accuracy-neutral, always allowed: the micro-batch / accumulation split, the precision (fp32 and the
   device's low precision: bf16 where native, else fp16 on CUDA), checkpointing (none, every 2nd layer, every
-  layer), and the optimizer's implementation (foreach kernels or a per-parameter loop);
+  layer), and the optimizer step's implementation (fused AdamW in one process; foreach kernels or a
+  per-parameter loop otherwise, and a loop or fused step when nothing else fits);
 - opt-in, because they change what is learned: freezing (``allow_freeze``: the embeddings, or all but the top
   half or quarter of the layers) and 8-bit optimizer states (``allow_8bit_optimizer``, needs bitsandbytes).
   They are a last resort: used only when no accuracy-neutral setup fits, least freezing first.

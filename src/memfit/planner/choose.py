@@ -14,7 +14,7 @@ from memfit.config import DEVICES, TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.estimate import Estimate, prepare_trace
-from memfit.planner.families import CHECKPOINTING, Candidate, Family, strategies
+from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, leaner_kernels, strategies
 from memfit.planner.report import Plan, load_plan, rank_candidates, verdict_line
 from memfit.planner.search import Search
 from memfit.report import format_bytes
@@ -66,9 +66,9 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache)
-    foreach_default = profile.kind == "cuda"  # torch's default: foreach kernels on CUDA, a loop on CPU
     chosen_precisions = tuple(p for p in profile.precisions() if not precisions or p in precisions)
-    neutral = [Family(precision=p, checkpointing=c, foreach=foreach_default, optimizer=base.optimizer, strategy=s)
+    neutral = [Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
+                      optimizer=base.optimizer, strategy=s)
                for s in strategies(base, profile)
                for p in sorted(chosen_precisions, key=lambda p: -profile.flops_for(p)) for c in CHECKPOINTING]
     search.search(neutral)
@@ -77,9 +77,10 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     smallest = None
     if chosen is None:  # nothing accuracy-neutral fits: a leaner optimizer step, then the opt-ins
         smallest = search.smallest(neutral)
-        leaner = search.exact_candidate(dataclasses.replace(smallest.family, foreach=not smallest.family.foreach), 1)
-        if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
-            smallest = leaner
+        for kernels in leaner_kernels(smallest.family):
+            leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels), 1)
+            if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
+                smallest = leaner
         chosen = search.best(confirmed=True)
     if chosen is None:
         chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,

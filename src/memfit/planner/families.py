@@ -21,7 +21,8 @@ class Family:
     precision: str
     checkpointing: str
     """``none | every-2 | full``."""
-    foreach: bool
+    kernels: str
+    """How the optimizer step runs: ``fused`` (AdamW in one process), ``foreach`` or ``loop``."""
     freeze: str = "none"
     """``none | embeddings | top-K`` (train only the top K layers)."""
     optimizer: str = "adamw"
@@ -40,7 +41,7 @@ class Family:
     def optimizer_label(self) -> str:
         if self.optimizer == "adamw8bit":
             return "adamw8bit"
-        return f"{self.optimizer}-{'foreach' if self.foreach else 'loop'}"
+        return f"{self.optimizer}-{self.kernels}"
 
     def configure(self, base: TrainConfig, *, micro_batch_size: int, effective_batch: int) -> TrainConfig:
         """``base`` with this family's techniques and the given split (``effective_batch``: the global one,
@@ -51,7 +52,8 @@ class Family:
             distributed=self.strategy.removesuffix("-offload"), cpu_offload=self.strategy == "fsdp-offload",
             world_size=base.world_size if self.ranks else 1,
             precision=self.precision, checkpointing="every-n" if self.checkpointing == "every-2" else
-            self.checkpointing, checkpoint_every=2, foreach=self.foreach, optimizer=self.optimizer,
+            self.checkpointing, checkpoint_every=2, foreach={"foreach": True, "loop": False}.get(self.kernels),
+            fused=self.kernels == "fused" and self.optimizer == "adamw", optimizer=self.optimizer,
             freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
             train_top_layers=top if top is not None else base.train_top_layers)
 
@@ -84,7 +86,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps,
                 "precision": self.family.precision, "checkpointing": self.family.checkpointing,
-                "optimizer": self.family.optimizer_label, "foreach": self.family.foreach,
+                "optimizer": self.family.optimizer_label, "kernels": self.family.kernels,
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
                 "distributed": self.family.strategy, "world_size": self.world_size,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -101,6 +103,21 @@ class Candidate:
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
                 f"{self.family.precision}, checkpointing {self.family.checkpointing}, "
                 f"{self.family.optimizer_label}{freeze}")
+
+
+def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile) -> str:
+    """The step memfit runs by default: fused AdamW in one process, else torch's default (foreach kernels on
+    CUDA, a loop on CPU)."""
+    if optimizer == "adamw" and strategy == "none":
+        return "fused"
+    return "foreach" if profile.kind == "cuda" else "loop"
+
+
+def leaner_kernels(family: Family) -> list[str]:
+    """The other implementations of the family's step, to try when nothing fits (fused and loop keep no
+    gradient-sized temporaries; foreach does)."""
+    options = ["fused", "loop"] if family.optimizer == "adamw" and not family.ranks else ["loop"]
+    return [kernels for kernels in options if kernels != family.kernels]
 
 
 def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:

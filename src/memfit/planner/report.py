@@ -79,7 +79,7 @@ class Plan:
             warnings.warn(f"the plan freezes {family.freeze}: freeze those parameters (requires_grad=False) "
                           "before building the Trainer", stacklevel=2)
         optim = {"adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}.get(family.optimizer) or (
-            "adamw_torch" if family.foreach else "adamw_torch_fused")
+            "adamw_torch" if family.kernels == "foreach" else "adamw_torch_fused")
         config = from_mapping(self.config)
         arguments: dict[str, Any] = {
             "per_device_train_batch_size": self.chosen.micro_batch_size,
@@ -115,7 +115,8 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def _candidate(raw: dict[str, Any]) -> Candidate:
-    family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], foreach=raw["foreach"],
+    kernels = raw.get("kernels") or ("foreach" if raw["foreach"] else "loop")  # plans saved before "kernels"
+    family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], kernels=kernels,
                     freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
                     strategy=raw.get("distributed", "none"))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],

@@ -138,8 +138,8 @@ class Search:
         if not family.strategy.startswith("fsdp"):
             return cost
         replicas = [known.ops_per_optimizer_step for other, known in self.costs.items()
-                    if other.strategy in ("none", "ddp") and (other.foreach, other.optimizer, other.freeze)
-                    == (family.foreach, family.optimizer, family.freeze)]
+                    if other.strategy in ("none", "ddp") and (other.kernels, other.optimizer, other.freeze)
+                    == (family.kernels, family.optimizer, family.freeze)]
         return dataclasses.replace(cost, ops_per_optimizer_step=max([cost.ops_per_optimizer_step, *replicas]))
 
     # --- search ---
@@ -154,7 +154,7 @@ class Search:
         flops = max((cost.flops_per_sample for _, cost in known), default=0.0)
         ops = max((cost.ops_per_micro_step for other, cost in known
                    if other.precision in (family.precision, "fp32")), default=0.0)
-        step_ops = min((cost.ops_per_optimizer_step for other, cost in known if other.foreach == family.foreach),
+        step_ops = min((cost.ops_per_optimizer_step for other, cost in known if other.kernels == family.kernels),
                        default=0.0)
         trainable = min((cost.trainable_parameters for _, cost in known), default=0)
         parameters = min((cost.parameters for _, cost in known), default=0)

@@ -2,9 +2,11 @@
 
 Trade-offs (memory per trained parameter, fp32 weights):
 
-- ``adamw``: two fp32 states, 8 bytes. ``foreach=True`` (torch's default on CUDA) runs one multi-tensor
-  kernel per op and is faster, but materialises temporaries the size of all gradients during the step, which
-  can set the peak; ``foreach=False`` updates one parameter at a time and peaks lower.
+- ``adamw``: two fp32 states, 8 bytes. Its step has three implementations: ``fused`` (memfit's default in
+  one process, on CPU and CUDA) runs the whole update in one kernel per parameter group with no temporaries
+  beyond the states: fastest and leanest; ``foreach`` (torch's default on CUDA) runs one multi-tensor kernel
+  per op, but materialises temporaries the size of all gradients during the step, which can set the peak;
+  a ``loop`` updates one parameter at a time and peaks lower than foreach, slower than both.
 - ``sgd``: one momentum buffer, 4 bytes (none without momentum). Usually needs a higher learning rate.
 - ``adamw8bit``: bitsandbytes' block-wise 8-bit states, ~2 bytes. Changes the update's numerics slightly.
 
@@ -41,13 +43,24 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def step_kernels(name: str, *, foreach: bool | None, fused: bool | None,
+                 distributed: bool) -> tuple[bool | None, bool]:
+    """(foreach, fused) for torch: AdamW fuses unless told otherwise, or ``foreach`` is set either way, or the
+    run is distributed (whose sharded parameters keep torch's default)."""
+    if name != "adamw":
+        return foreach, False
+    if fused is None:
+        fused = foreach is None and not distributed
+    return (None if fused else foreach), fused
+
+
 def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float, momentum: float,
-                    foreach: bool | None) -> torch.optim.Optimizer:
+                    foreach: bool | None, fused: bool = False) -> torch.optim.Optimizer:
     groups = [group for group in parameter_groups(model, weight_decay) if group["params"]]
     if not groups:
         raise ConfigError("every parameter is frozen: nothing to train; train more layers")
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, foreach=foreach)
+        return torch.optim.AdamW(groups, lr=lr, foreach=foreach, fused=fused or None)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=foreach)
     if name == "adamw8bit":
