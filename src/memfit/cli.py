@@ -23,10 +23,9 @@ from memfit.config import (
     from_mapping,
     load_config_file,
 )
-from memfit.data import BUILTIN
-from memfit.devices import PROFILES
 from memfit.errors import MemfitError
-from memfit.models import PRESETS
+from memfit.names import BUILTIN_DATASETS as BUILTIN
+from memfit.names import PRESETS, PROFILES
 
 
 class Parser(argparse.ArgumentParser):
@@ -211,7 +210,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_options(parser: argparse.ArgumentParser) -> None:
-    from memfit.bench import QUICK, SETUPS, BenchConfig
+    from memfit.bench_config import QUICK, SETUPS, BenchConfig
 
     defaults = BenchConfig()
     what = parser.add_argument_group("what to train (the same for every setup)")
@@ -247,7 +246,8 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from memfit.bench import BenchConfig, markdown, run_bench
+    from memfit.bench import markdown, run_bench
+    from memfit.bench_config import BenchConfig
 
     config = BenchConfig(model=args.model, data=args.data, max_length=args.max_length,
                          effective_batch=args.effective_batch, samples=args.samples, val_samples=args.val_samples,
@@ -467,7 +467,9 @@ def print_devices(console: Console) -> None:
     for column in ("name", "device", "memory", "sm", "fp32 TFLOP/s", "fp16 TFLOP/s", "bf16 TFLOP/s",
                    "tensor cores"):
         table.add_column(column)
-    for profile in PROFILES.values():
+    from memfit.devices import PROFILES as BUILT_IN
+
+    for profile in BUILT_IN.values():
         capability = profile.compute_capability
         table.add_row(profile.name, profile.description,
                       format_bytes(profile.memory_bytes) if profile.memory_bytes else "host RAM",

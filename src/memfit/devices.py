@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from memfit import names
 from memfit.errors import ConfigError
 from memfit.files import load_option_file
 
@@ -206,6 +207,7 @@ PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
                   fp16_flops=0.005 * TERA, bf16_flops=_cpu_bf16_flops(), memory_bandwidth=20e9, tensor_cores=False,
                   op_overhead_s=CPU_OP_OVERHEAD_S, link_bandwidth=CPU_GLOO_BANDWIDTH, host_bandwidth=20e9),
 )}
+assert tuple(PROFILES) == names.PROFILES, "memfit.names.PROFILES lists the profiles for the command line"
 
 
 ALIASES = {"a100-40gb": "a100-40", "a100-80gb": "a100-80", "v100-16gb": "v100-16", "v100-32gb": "v100-32",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit import names
 from memfit.errors import ConfigError
 from memfit.quiet import quiet_imports
 
@@ -58,6 +59,7 @@ PRESET_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
                                intermediate_size=1536),
 }
 PRESETS = ("minilm", *PRESET_CONFIGS)
+assert PRESETS == names.PRESETS, "memfit.names.PRESETS lists the presets for the command line"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

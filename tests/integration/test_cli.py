@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,16 @@ def test_every_command_prints_only_memfit_lines(tiny_bert: Path, reviews_csv: Pa
         result = memfit(*args)
         assert result.returncode == 0, result.stderr
         assert [line for line in result.stderr.splitlines() if not line.startswith("memfit")] == [], args[0]
+
+
+def test_help_and_the_model_list_import_no_torch() -> None:
+    """``memfit --help`` (and every command's help) and ``memfit models`` start without torch or transformers."""
+    script = ("import sys\nfrom memfit.cli import build_parser, main\n"
+              "parser = build_parser()\nparser.format_help()\n"
+              "for command in ('train', 'estimate', 'plan', 'bench', 'quantize'):\n"
+              "    try:\n        parser.parse_args([command, '--help'])\n    except SystemExit:\n        pass\n"
+              "assert main(['models']) == 0\n"
+              "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

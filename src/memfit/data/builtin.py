@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memfit import names
 from memfit.data.examples import Examples, ImageExamples, TextExamples
 from memfit.errors import DataError
 
@@ -78,6 +79,7 @@ def digits() -> ImageExamples:
 
 BUILTIN: dict[str, Callable[[], Examples]] = {
     "rotten-tomatoes": rotten_tomatoes, "fashion-mnist": fashion_mnist, "digits": digits}
+assert tuple(BUILTIN) == names.BUILTIN_DATASETS, "memfit.names lists the datasets for the command line"
 
 
 def load_builtin(name: str) -> Examples:
