@@ -67,6 +67,31 @@ def cold_seconds(overrides: dict[str, Any]) -> float:
     return time.perf_counter() - started
 
 
+IMPORT_FLOOR = "import torch, transformers; from transformers import BertForSequenceClassification"
+START_UP = ("bert-base", 512)
+"""The start-up measured against the import floor: ``memfit estimate --model bert-base --seq-len 512``."""
+
+
+def import_floor_seconds() -> float:
+    """Wall time of a fresh process that only imports what any BERT estimate needs: the floor of a cold run."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", IMPORT_FLOOR], check=True, capture_output=True)
+    return time.perf_counter() - started
+
+
+def start_up(repeat: int) -> dict[str, Any]:
+    """Cold ``memfit estimate`` (BERT-base, 512 tokens, 1080 Ti) against the import floor, alternated, medians."""
+    model, length = START_UP
+    floors, colds = [], []
+    for _ in range(repeat):
+        floors.append(import_floor_seconds())
+        colds.append(cold_seconds({"model": model, "seq_len": length}))
+    floor, cold = statistics.median(floors), statistics.median(colds)
+    return {"import_floor_seconds": round(floor, 2), "cold_estimate_seconds": round(cold, 2),
+            "ratio": round(cold / floor, 2), "target_ratio": 1.3, "command_floor": f"python -c '{IMPORT_FLOOR}'",
+            "command_estimate": f"memfit estimate --model {model} --seq-len {length} --device 1080ti --json"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -94,6 +119,9 @@ def main() -> None:
     for r in rows:
         print(f"| {r['setup']} | {r['parameters'] / 1e6:,.0f}M | {r['traced_ops']:,} | {r['seconds']:.2f} | "
               f"{r['ms_per_1000_ops']:.1f} | {r['cold_cli_seconds']:.1f} | {format_bytes(r['predicted_peak_bytes'])} |")
+    cold = start_up(args.repeat)
+    print(f"\ncold start: memfit estimate bert-base S512 {cold['cold_estimate_seconds']:.2f} s, import floor "
+          f"{cold['import_floor_seconds']:.2f} s: {cold['ratio']:.2f}x (target <= {cold['target_ratio']}x)")
     print(f"\n{torch.get_num_threads()} CPU threads, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {platform.processor() or platform.machine()}")
     if args.json:
@@ -101,7 +129,8 @@ def main() -> None:
                    "transformers": transformers.__version__, "cpu_threads": torch.get_num_threads(),
                    "cpus": os.cpu_count()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"rows": rows, "machine": machine, "command": sys.argv}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "start_up": cold, "machine": machine,
+                                               "command": sys.argv}, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from memfit import TrainConfig, plan
 from memfit.report import format_bytes
 
 TARGET_SECONDS = 30.0
+LARGE_TARGET_SECONDS = 15.0
+"""BERT-large at 512 tokens on the 1080 Ti: its plan traces the most expensive steps of the matrix."""
 MODELS: dict[str, dict[str, Any]] = {
     "bert-base S128": {"model": "bert-base", "seq_len": 128},
     "bert-large S512": {"model": "bert-large", "seq_len": 512},
@@ -76,8 +78,12 @@ def main() -> None:
         verdict = "meets" if record["seconds"] <= TARGET_SECONDS else "MISSES"
         print(f"BERT-base plan, {record['device']}: {record['seconds']:.1f} s ({verdict} the "
               f"{TARGET_SECONDS:.0f} s target)")
+    for record in (r for r in records if r["model"] == "bert-large S512" and r["device"] == "1080ti"):
+        verdict = "meets" if record["seconds"] <= LARGE_TARGET_SECONDS else "MISSES"
+        print(f"BERT-large S512 plan, 1080ti: {record['seconds']:.1f} s ({verdict} the {LARGE_TARGET_SECONDS:.0f} s "
+              "target)")
     if args.json:
-        payload = {"records": records, "target_seconds": TARGET_SECONDS,
+        payload = {"records": records, "target_seconds": TARGET_SECONDS, "large_target_seconds": LARGE_TARGET_SECONDS,
                    "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
                    "date": datetime.date.today().isoformat(),
