@@ -362,6 +362,9 @@ def build_parser() -> Parser:
     quantize.add_argument("source", metavar="RUN_DIR_OR_MODEL_DIR")
     quantize.add_argument("--method", choices=("int8-dynamic", "int8-weight-only"), default="int8-dynamic",
                           help="int8 weights with dynamic int8 activations, or int8 weights only [int8-dynamic]")
+    quantize.add_argument("--backend", choices=("auto", "onnxruntime", "torchao"), default="auto",
+                          help="onnxruntime (whole model int8, embeddings too, its CPU kernels) or torchao (Linear "
+                               "layers int8, in PyTorch) [auto: onnxruntime when installed, for int8-dynamic]")
     quantize.add_argument("--data", help="validation data [the run's own]")
     _column_options(quantize)
     quantize.add_argument("--output-dir", help="[<model dir>-<method>]")
@@ -424,8 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "eval":
                 print(json.dumps(quantization.run_eval(args.model, data=args.data, columns=_columns(args))))
                 return 0
-            report = quantization.run_quantize(args.source, method=args.method, data=args.data,
-                                               output_dir=args.output_dir, columns=_columns(args))
+            report = quantization.run_quantize(args.source, method=args.method, backend=args.backend,
+                                               data=args.data, output_dir=args.output_dir, columns=_columns(args))
             if args.json:
                 print(json.dumps(report))
             else:
@@ -519,6 +522,8 @@ def print_quantize(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
     console.print(f"predictions agree on {100 * report['prediction_agreement']:.2f} % of the validation set; "
                   f"largest logit difference {report['max_abs_logit_diff']:.4f}; saved to {report['output_dir']}")
+    if report.get("kept_fp32"):
+        console.print(f"kept in fp32 so that int8 keeps 98 % of the predictions: {', '.join(report['kept_fp32'])}")
 
 
 def print_estimate(console: Console, result: Any) -> None:

@@ -1,21 +1,23 @@
 """int8 quantization of a fine-tuned model for CPU inference, with an fp32-vs-int8 report.
 
-Trade-off: int8 Linear weights take a quarter of the fp32 bytes and, with dynamic activation quantization,
-run on int8 matrix kernels; embeddings, norms and the rest stay fp32, so the size ratio is below 4x (about
-2x for a BERT whose vocabulary table is half of its weights). Outputs move by quantization error: the
-report measures how much (accuracy delta, prediction agreement, largest logit difference).
+Two backends (``--backend``), one report:
 
-- ``int8-dynamic``: int8 weights and per-token dynamically quantized int8 activations (torchao
-  ``Int8DynamicActivationInt8WeightConfig``; fallback: ``torch.ao.quantization.quantize_dynamic``).
-- ``int8-weight-only``: int8 weights, fp32 activations (torchao ``Int8WeightOnlyConfig``; no fallback).
+- ``onnxruntime`` (:mod:`memfit.onnx_int8`; the default for ``int8-dynamic`` when installed): the whole model
+  in ONNX, every weight int8 per channel (the embedding tables too), run by ONNX Runtime's int8 kernels:
+  close to 4x smaller and faster than fp32 PyTorch on the CPU.
+- ``torchao``: int8 Linear weights inside PyTorch. ``int8-dynamic`` quantizes activations per token
+  (``Int8DynamicActivationInt8WeightConfig``; fallback ``torch.ao.quantization.quantize_dynamic``);
+  ``int8-weight-only`` keeps fp32 activations (``Int8WeightOnlyConfig``; no fallback). Embeddings, norms and
+  the rest stay fp32, so the size ratio is below 2x for a BERT whose vocabulary table is half its weights.
 
-This is a CPU-inference feature: the report always runs on CPU. On CUDA, torchao's int8 methods need its
-GPU kernels and ``torch.ao`` dynamic quantization does not run at all.
+Trade-off: int8 weights take a quarter of the fp32 bytes; outputs move by quantization error, which the
+report measures (accuracy delta, prediction agreement, largest logit difference). This is a CPU-inference
+feature: the report always runs on CPU.
 
-A quantized model is saved as a directory: ``config.json`` (and the tokenizer) of the source model,
-``quantized.pt`` (the quantized state dict) and ``quantization.json`` (method and backend).
-:func:`load_quantized` rebuilds it; other tools can load it the same way: build the model from
-``config.json``, apply the same torchao config, then ``load_state_dict(torch.load(...), assign=True)``.
+A quantized model is a directory: ``config.json`` (and the tokenizer) of the source model,
+``quantization.json`` (method and backend), and ``model.onnx`` (onnxruntime) or ``quantized.pt`` (torchao:
+the quantized state dict; build the model from ``config.json``, apply the same torchao config, then
+``load_state_dict(torch.load(...), assign=True)``). :func:`load_quantized` loads either.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import transformers
 from torch import nn
 
+from memfit import onnx_int8
 from memfit.build import Prepared, prepare
 from memfit.config import TrainConfig, from_mapping
 from memfit.data.batches import Encoder, cut
@@ -42,6 +45,9 @@ from memfit.quiet import NOISY_LOGGERS, raised_loggers
 from memfit.step import loss_sum
 
 METHODS = ("int8-dynamic", "int8-weight-only")
+BACKENDS = ("auto", "onnxruntime", "torchao")
+"""``auto``: ONNX Runtime for int8-dynamic when it is installed (smaller and faster, :mod:`memfit.onnx_int8`),
+else torchao (and its ``torch.ao`` fallback)."""
 STATE = "quantized.pt"
 INFO = "quantization.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -76,8 +82,22 @@ def quantize_model(model: nn.Module, method: str) -> str:
     return "torch.ao"
 
 
+def resolve_backend(backend: str, method: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r} is not one of: {', '.join(BACKENDS)}")
+    if backend == "onnxruntime" and method != "int8-dynamic":
+        raise ConfigError(f"--backend onnxruntime runs int8-dynamic only; use --backend torchao for {method}")
+    if backend == "auto":
+        return "onnxruntime" if method == "int8-dynamic" and onnx_int8.available() else "torchao"
+    if backend == "onnxruntime":
+        onnx_int8.require()
+    return backend
+
+
 def tensor_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights in memory, counting the int8 data and scales of quantized tensors."""
+    if isinstance(model, onnx_int8.OnnxClassifier):
+        return model.weights_bytes
     def size(value: Any) -> int:
         if isinstance(value, torch.Tensor) and hasattr(value, "__tensor_flatten__"):
             names, _ = value.__tensor_flatten__()
@@ -97,10 +117,34 @@ def tensor_bytes(model: nn.Module) -> int:
     return total
 
 
+def quantize_to(fp32: nn.Module, output_dir: Path, *, method: str, backend: str, source: Path,
+                prepared: Prepared, reference: Evaluation) -> tuple[nn.Module, str, int, list[str]]:
+    """Quantize ``fp32`` into ``output_dir`` with ``backend`` (resolved): (int8 model, backend, file bytes,
+    layer families kept in fp32). ``reference``: the fp32 model's validation logits."""
+    if backend == "onnxruntime":
+        encoder, count = prepared.encoder(prepared.val_examples), len(prepared.val_examples)
+
+        def agreement(path: Path) -> float:
+            logits = evaluate_logits(onnx_int8.OnnxClassifier(path), encoder, count).logits
+            return float((logits.argmax(-1) == reference.logits.argmax(-1)).float().mean())
+
+        model_file, kept = onnx_int8.export_int8(fp32, encoder(list(range(min(2, count)))), output_dir,
+                                                 agreement=agreement)
+        save_quantized(fp32, output_dir, method=method, backend=backend, source=source,
+                       tokenizer=prepared.tokenizer, state=False)
+        return onnx_int8.OnnxClassifier(model_file), backend, model_file.stat().st_size, kept
+    int8 = copy.deepcopy(fp32)
+    used = quantize_model(int8, method)
+    save_quantized(int8, output_dir, method=method, backend=used, source=source, tokenizer=prepared.tokenizer)
+    return int8, used, (output_dir / STATE).stat().st_size, []
+
+
 def save_quantized(model: nn.Module, output_dir: Path, *, method: str, backend: str, source: Path,
-                   tokenizer: Any) -> None:
+                   tokenizer: Any, state: bool = True) -> None:
+    """The directory :func:`load_quantized` reads; ``state=False``: the weights are saved elsewhere (ONNX)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), output_dir / STATE)
+    if state:
+        torch.save(model.state_dict(), output_dir / STATE)
     getattr(model, "config").save_pretrained(output_dir)  # noqa: B009 - a transformers model
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
@@ -109,7 +153,7 @@ def save_quantized(model: nn.Module, output_dir: Path, *, method: str, backend: 
 
 
 def is_quantized_dir(path: Path) -> bool:
-    return (path / INFO).is_file() and (path / STATE).is_file()
+    return (path / INFO).is_file() and ((path / STATE).is_file() or (path / onnx_int8.MODEL_FILE).is_file())
 
 
 def load_quantized(path: str | Path) -> nn.Module:
@@ -119,6 +163,8 @@ def load_quantized(path: str | Path) -> nn.Module:
         raise ConfigError(f"{directory}: not a quantized model (no {INFO} and {STATE}); make one with "
                           "memfit quantize")
     info = json.loads((directory / INFO).read_text())
+    if info["backend"] == "onnxruntime":
+        return onnx_int8.OnnxClassifier(directory / onnx_int8.MODEL_FILE)
     config = transformers.AutoConfig.from_pretrained(str(directory))
     auto = (transformers.AutoModelForImageClassification if hasattr(config, "image_size")
             else transformers.AutoModelForSequenceClassification)
@@ -202,29 +248,33 @@ def weights_bytes(directory: Path) -> int:
     return sum((directory / name).stat().st_size for name in WEIGHT_FILES if (directory / name).is_file())
 
 
-def run_quantize(source: str, *, method: str = "int8-dynamic", data: str | None = None,
+def run_quantize(source: str, *, method: str = "int8-dynamic", backend: str = "auto", data: str | None = None,
                  output_dir: str | None = None, columns: dict[str, str] | None = None) -> dict[str, Any]:
     """Quantize, save, and compare with fp32 on the validation split; returns (and writes) the report.
 
     ``columns``: ``text_column``/``label_column`` of a CSV/JSONL ``data``.
     """
+    if method not in METHODS:
+        raise ConfigError(f"--method {method!r} is not one of: {', '.join(METHODS)}")
+    chosen = resolve_backend(backend, method)
     model_dir, config = source_config(source, data=data, columns=columns)
     prepared = prepare(config)
     fp32 = load_fp32(prepared)
-    int8 = copy.deepcopy(fp32)
-    backend = quantize_model(int8, method)
     out = Path(output_dir) if output_dir else model_dir.parent / f"{model_dir.name}-{method}"
-    save_quantized(int8, out, method=method, backend=backend, source=model_dir, tokenizer=prepared.tokenizer)
     encoder, count = prepared.encoder(prepared.val_examples), len(prepared.val_examples)  # tokenised once
-    reference, quantized = evaluate_logits(fp32, encoder, count), evaluate_logits(int8, encoder, count)
+    reference = evaluate_logits(fp32, encoder, count)
+    int8, backend, int8_bytes, kept_fp32 = quantize_to(fp32, out, method=method, backend=chosen, source=model_dir,
+                                                       prepared=prepared, reference=reference)
+    quantized = evaluate_logits(int8, encoder, count)
     sides = {}
     for name, model, evaluation, disk in (("fp32", fp32, reference, weights_bytes(model_dir)),
-                                          ("int8", int8, quantized, (out / STATE).stat().st_size)):
+                                          ("int8", int8, quantized, int8_bytes)):
         sides[name] = {"size_bytes": disk, "memory_bytes": tensor_bytes(model), "val_accuracy": evaluation.accuracy,
                        "latency_ms_batch1": latency_ms(model, encoder, count, 1),
                        "latency_ms_batch8": latency_ms(model, encoder, count, 8)}
     report = {
         "backend": backend, "method": method, "source": str(model_dir), "output_dir": str(out),
+        "kept_fp32": kept_fp32,
         "val_samples": len(prepared.val_examples), "threads": torch.get_num_threads(), **sides,
         "size_ratio": sides["fp32"]["size_bytes"] / sides["int8"]["size_bytes"],
         "memory_ratio": sides["fp32"]["memory_bytes"] / sides["int8"]["memory_bytes"],

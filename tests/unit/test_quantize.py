@@ -45,7 +45,7 @@ def trained_run(tmp_path: Path, reviews_csv: Path) -> Path:
 
 
 def test_int8_shrinks_the_model_keeps_its_predictions_and_reloads(trained_run: Path) -> None:
-    report = run_quantize(str(trained_run))
+    report = run_quantize(str(trained_run), backend="torchao")
     assert REPORT_KEYS <= report.keys() and SIDE_KEYS <= report["fp32"].keys() <= report["int8"].keys()
     assert report["backend"] == "torchao" and report["method"] == "int8-dynamic"
     assert report["size_ratio"] >= 2.0 and report["memory_ratio"] >= 2.0
@@ -71,7 +71,7 @@ def test_without_torchao_it_falls_back_to_torch_ao_and_says_so(trained_run: Path
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
-    report = run_quantize(str(trained_run), output_dir=str(trained_run / "fallback"))
+    report = run_quantize(str(trained_run), backend="torchao", output_dir=str(trained_run / "fallback"))
     assert report["backend"] == "torch.ao" and report["prediction_agreement"] >= 0.98
     assert report["size_ratio"] >= 2.0
     assert run_eval(str(trained_run / "fallback"))["val_accuracy"] == report["int8"]["val_accuracy"]
@@ -91,4 +91,23 @@ def test_train_quantize_writes_the_report(tmp_path: Path, reviews_csv: Path, tin
                  "--output-dir", str(tmp_path / "run"), "--quantize"])
     assert code == 0
     report = json.loads((tmp_path / "run" / "model-int8-dynamic" / "quantize.json").read_text())
-    assert report["backend"] == "torchao" and "predictions agree on" in capsys.readouterr().out
+    assert report["backend"] == "onnxruntime" and "predictions agree on" in capsys.readouterr().out  # the default
+
+
+def test_onnxruntime_int8_is_whole_model_int8_keeps_the_predictions_and_reloads(trained_run: Path) -> None:
+    report = run_quantize(str(trained_run), backend="onnxruntime", output_dir=str(trained_run / "onnx"))
+    assert REPORT_KEYS <= report.keys() and report["backend"] == "onnxruntime"
+    assert report["memory_ratio"] >= 3.0  # every weight int8, the embedding tables too
+    assert report["size_ratio"] >= 2.0  # the file also holds the graph: ~100 KB, which a real model's weights dwarf
+    assert report["prediction_agreement"] >= 0.98 or report["kept_fp32"]  # else one family of layers stays fp32
+    assert abs(report["accuracy_delta_points"]) <= 5.0 and 0 < report["max_abs_logit_diff"] < 0.5
+    out = trained_run / "onnx"
+    assert sorted(path.name for path in out.iterdir()) == [
+        "config.json", "model.onnx", "quantization.json", "quantize.json", "tokenizer.json", "tokenizer_config.json"]
+    _, config = source_config(str(trained_run), data=None)
+    prepared = prepare(config)
+    encoder, count = prepared.encoder(prepared.val_examples), len(prepared.val_examples)
+    reloaded = evaluate_logits(load_quantized(out), encoder, count)
+    assert reloaded.accuracy == report["int8"]["val_accuracy"] == run_eval(str(out))["val_accuracy"]
+    with pytest.raises(ConfigError, match="runs int8-dynamic only"):
+        run_quantize(str(trained_run), method="int8-weight-only", backend="onnxruntime")
