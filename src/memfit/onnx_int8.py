@@ -121,6 +121,8 @@ class OnnxClassifier(nn.Module):
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads or torch.get_num_threads()  # the threads the fp32 side uses
+        # no busy-waiting between runs: idle threads would take the cores from PyTorch work in the same process
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.input_names = [item.name for item in self.session.get_inputs()]
         graph = onnx.load(str(path)).graph

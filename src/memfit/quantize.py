@@ -204,18 +204,23 @@ def evaluate_logits(model: nn.Module, encoder: Encoder, count: int, batch_size: 
 
 
 @torch.inference_mode()
-def latency_ms(model: nn.Module, encoder: Encoder, count: int, batch_size: int, *, repeats: int = 20,
-               warmup: int = 3) -> float:
-    """Median wall-clock milliseconds of one forward pass over ``batch_size`` of the ``count`` examples."""
+def latency_ms(models: dict[str, nn.Module], encoder: Encoder, count: int, batch_size: int, *, repeats: int = 20,
+               warmup: int = 3) -> dict[str, float]:
+    """Median wall-clock milliseconds of one forward pass over ``batch_size`` of the ``count`` examples, per
+    model, the models' passes interleaved so that the machine's drift hits them alike."""
     batch = encoder([index % count for index in range(batch_size)])
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
-    times = []
-    for index in range(warmup + repeats):
-        started = time.perf_counter()
-        model(**inputs)
-        if index >= warmup:
-            times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    for model in models.values():
+        model.eval()
+        for _ in range(warmup):
+            model(**inputs)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            started = time.perf_counter()
+            model(**inputs)
+            times[name].append((time.perf_counter() - started) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def source_config(source: str, *, data: str | None, columns: dict[str, str] | None = None) -> tuple[Path, TrainConfig]:
@@ -266,12 +271,13 @@ def run_quantize(source: str, *, method: str = "int8-dynamic", backend: str = "a
     int8, backend, int8_bytes, kept_fp32 = quantize_to(fp32, out, method=method, backend=chosen, source=model_dir,
                                                        prepared=prepared, reference=reference)
     quantized = evaluate_logits(int8, encoder, count)
+    models = {"fp32": fp32, "int8": int8}
+    latency = {size: latency_ms(models, encoder, count, size) for size in (1, 8)}
     sides = {}
-    for name, model, evaluation, disk in (("fp32", fp32, reference, weights_bytes(model_dir)),
-                                          ("int8", int8, quantized, int8_bytes)):
-        sides[name] = {"size_bytes": disk, "memory_bytes": tensor_bytes(model), "val_accuracy": evaluation.accuracy,
-                       "latency_ms_batch1": latency_ms(model, encoder, count, 1),
-                       "latency_ms_batch8": latency_ms(model, encoder, count, 8)}
+    for name, evaluation, disk in (("fp32", reference, weights_bytes(model_dir)), ("int8", quantized, int8_bytes)):
+        sides[name] = {"size_bytes": disk, "memory_bytes": tensor_bytes(models[name]),
+                       "val_accuracy": evaluation.accuracy, "latency_ms_batch1": latency[1][name],
+                       "latency_ms_batch8": latency[8][name]}
     report = {
         "backend": backend, "method": method, "source": str(model_dir), "output_dir": str(out),
         "kept_fp32": kept_fp32,
