@@ -118,6 +118,22 @@ def test_plain_fp32_is_chosen_where_fp16_is_no_faster(model_dir: Path, traces: d
     assert fp16 and all(c.fits is None and "cannot beat" in c.reason for c in fp16)
 
 
+def test_every_exact_row_on_a_card_is_what_memfit_estimate_says(model_dir: Path) -> None:
+    """A row marked exact on a CUDA profile is the trace ``memfit estimate`` makes of that setup, allocator
+    reserve included: never the lean trace of the family's fit standing in for it."""
+    result = plan(base(model_dir, effective_batch=16), device=PASCAL, seq_len=64, budget=4 * 1024**2)
+    exact = [c for c in result.candidates if c.exact and c.accumulation_steps > 1]
+    assert any(c.accumulation_steps == 2 for c in exact), "the budget must force accumulation 2"
+    for candidate in exact:
+        config = candidate.family.configure(base(model_dir, effective_batch=16),
+                                            micro_batch_size=candidate.micro_batch_size, effective_batch=16)
+        estimated = estimate(config, device=PASCAL, seq_len=64)
+        # a window of two micro-steps is traced as it is; a longer one adds its other inputs to that trace
+        assert estimated.peak_bytes == candidate.predicted_allocated_bytes
+        if candidate.accumulation_steps == 2:
+            assert estimated.total_bytes == candidate.predicted_peak_bytes
+
+
 def test_nothing_fits_names_the_smallest_need_and_the_opt_in(model_dir: Path, traces: dict[Any, Estimate]) -> None:
     result = cpu_plan(model_dir, traces, 600_000)
     assert result.chosen is None

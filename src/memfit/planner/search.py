@@ -85,7 +85,7 @@ class Search:
             config = family.configure(self.base, micro_batch_size=micro,
                                       effective_batch=(2 * micro if accumulate else micro) * ranks)
             shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
-                      self.num_labels)
+                      self.num_labels, lean)  # a lean trace's reserve can differ: never an exact one's stand-in
             if shared not in self.cache:
                 self.cache[shared] = estimate(config, device=self.profile, seq_len=self.seq_len,
                                               image_size=self.image_size, num_labels=self.num_labels, steps=STEPS,
