@@ -24,7 +24,7 @@ from torch import nn
 from memfit import checkpointer, checkpoints, distributed
 from memfit.build import Prepared, build_model_for, build_optimizer_for, prepare
 from memfit.config import TrainConfig
-from memfit.data.batches import window_order as data_order
+from memfit.data.batches import window_order
 from memfit.errors import TrainingError
 from memfit.memory.estimate import resolve_strategy
 from memfit.memory.monitor import PHASES, Monitor, StepTimeline
@@ -68,7 +68,7 @@ def loop(run: Run) -> None:
         if state.position.step >= run.total_steps:  # --max-steps reached at an epoch boundary
             break
         if state.start_epoch(epoch):  # a new epoch: its own seeded order
-            run.order = window_order(run, epoch)
+            run.order = window_order(run.num_train, seed=config.seed, epoch=epoch)
         run.model.train()
         while run.running:
             if run.windows.stop_agreed(run.stop.requested()):  # a signal between windows (or in an evaluation)
@@ -209,17 +209,13 @@ def start_run(run: Run) -> None:
     if not run.prepared.spec.is_pretrained:
         run.reporter.warn(f"{run.config.model} has no pretrained weights here: RANDOM INIT. Memory and speed are "
                           "real; accuracy is not that of a pretrained model.")
-    run.order = window_order(run, run.state.position.epoch)
+    run.order = window_order(run.num_train, seed=run.config.seed, epoch=run.state.position.epoch)
     if run.checkpoint is not None:
         checkpointer.restore(run, run.checkpoint)
 
 
-def window_order(run: Run, epoch: int) -> list[int]:
-    return data_order(run.num_train, seed=run.config.seed, epoch=epoch)
-
-
 def finish(run: Run, started: float) -> Summary:
-    """Save the final checkpoint's model, gather the ranks' peaks, write and show the summary."""
+    """Save the fine-tuned model, gather the ranks' peaks, write and show the summary."""
     memory = run.monitor.snapshot()
     save_final_model(run)
     mine = {"peak": memory.peak_bytes, "phases": memory.phase_peaks}

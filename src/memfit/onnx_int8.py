@@ -63,14 +63,15 @@ def export_int8(model: nn.Module, sample: Batch, output_dir: Path, *, agreement:
     quantize_file(fp32_file, int8_file, exclude=[])
     kept: list[str] = []
     if agreement(int8_file) < target:
-        trials = []
-        for family, nodes in weight_families(fp32_file).items():
+        families = weight_families(fp32_file)
+        trials = []  # (agreement, file bytes, family), one quantization and one evaluation each
+        for family, nodes in families.items():
             quantize_file(fp32_file, int8_file, exclude=nodes)
-            trials.append((agreement(int8_file) >= target, int8_file.stat().st_size, agreement(int8_file), family))
-        meets = [trial for trial in trials if trial[0]]
-        best = min(meets, key=lambda trial: trial[1]) if meets else max(trials, key=lambda trial: trial[2])
-        kept = [best[3]]
-        quantize_file(fp32_file, int8_file, exclude=weight_families(fp32_file)[best[3]])
+            trials.append((agreement(int8_file), int8_file.stat().st_size, family))
+        meets = [trial for trial in trials if trial[0] >= target]
+        best = min(meets, key=lambda trial: trial[1]) if meets else max(trials, key=lambda trial: trial[0])
+        kept = [best[2]]
+        quantize_file(fp32_file, int8_file, exclude=families[best[2]])
     fp32_file.unlink()
     return int8_file, kept
 
