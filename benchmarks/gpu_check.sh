@@ -5,7 +5,7 @@
 #   summary.json     the same as data;
 #   results.tar.gz   everything else (logs, validate_estimator.json, bench.json/md/png).
 # The steps, each under its own time limit so the whole run ends in time:
-#   1. the tests marked gpu (tests/gpu);
+#   1. the tests marked gpu (tests/gpu), then (on a GPU) the cuBLAS workspace probe;
 #   2. the estimator validation grid (predicted vs measured peak allocated/reserved per setup);
 #   3. memfit bench on BERT-base at seq 128 (random init: memory and speed are real, accuracy is not a
 #      pretrained model's), capped to a GTX 1080 Ti's 11 GiB (memfit bench --device-profile 1080ti).
@@ -61,6 +61,7 @@ step() {
 cat "$WORK/results/device.txt"
 
 step tests_gpu 75 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/gpu
+[ $DRY_RUN = 1 ] || step workspace_probe 20 $PY benchmarks/cuda_workspace_probe.py
 step validate_estimator 120 $PY benchmarks/validate_estimator.py "${GRID[@]}" \
     --json "$WORK/results/validate_estimator.json"
 step bench_data 15 $PY benchmarks/gpu_bench_data.py "$WORK" "$MODEL"
@@ -69,6 +70,8 @@ step bench 240 $PY -m memfit bench --model "$WORK/$MODEL" --data "$WORK/long.csv
     --output-dir "$WORK/results/bench"
 $PY benchmarks/gpu_summary.py "$WORK" "$OUT" $([ $DRY_RUN = 1 ] && echo --dry-run)
 status=$?
-tar czf "$OUT/results.tar.gz" -C "$WORK" results steps.tsv
+# logs, tables, JSON and plots only: the bench's saved models would take minutes to pack and exceed 16 MiB
+(cd "$WORK" && find results steps.tsv -type f \( -name '*.log' -o -name '*.json' -o -name '*.md' -o -name '*.png' \
+    -o -name '*.txt' -o -name '*.tsv' \) -size -4M -print0 | tar czf "$OUT/results.tar.gz" --null -T -)
 ls "$OUT"
 exit $status

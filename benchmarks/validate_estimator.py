@@ -8,10 +8,12 @@ of that step are compared with the estimate for this card's profile (the same co
 
 ``--dry-run`` (any machine, no GPU needed) runs everything except the CUDA measurement: the same
 measurement routine on CPU tensors, checked against ``estimate(device="cpu")`` (must be 0 % off), plus the
-predictions of the CUDA grid for ``--device`` with the measured columns left empty.
+predictions of the CUDA grid for ``--device`` with the measured columns left empty. ``--measured FILE``
+(any machine) sets today's predictions beside the measured columns of an earlier GPU run's ``--json``.
 
     .venv/bin/python benchmarks/validate_estimator.py --dry-run --json benchmarks/results/validate_estimator_dry.json
     python benchmarks/validate_estimator.py --grid full --json results/validate_estimator_h200.json  # on a GPU
+    .venv/bin/python benchmarks/validate_estimator.py --measured results/validate_estimator_h200.json --device h200
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[st
         def reset_after_warm_up(step: int) -> None:
             if step == 1:
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+                monitor.reset_peaks()
 
         with monitor:
             run_steps(model, config, precision, trace.windows, trace.window_items, device=device, phases=monitor,
@@ -120,7 +122,9 @@ def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[st
                                                    growth_interval=config.growth_interval),
                       cuda=True, after_step=reset_after_warm_up)
             torch.cuda.synchronize()
-        result = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+        # the monitor resets the allocator's peak statistics at each phase: its snapshot holds the step's peak
+        peaks = monitor.snapshot()
+        result = {"allocated": peaks.peak_bytes, "reserved": peaks.peak_reserved_bytes or 0}
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -175,9 +179,19 @@ def main() -> int:
     parser.add_argument("--device", default="1080ti", help="profile predicted in a dry run [1080ti]")
     parser.add_argument("--memory-gib", type=float, help="cap this process's CUDA memory (e.g. 11 for a 1080 Ti)")
     parser.add_argument("--json", help="write {rows, machine, command} here")
+    parser.add_argument("--measured", help="no CUDA: today's predictions against the measured columns of an "
+                                           "earlier GPU run's --json (profile from --device)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    if args.dry_run:
+    if args.measured:
+        target = resolve_profile(args.device)
+        for earlier in json.loads(Path(args.measured).read_text())["rows"]:
+            case = Case(earlier["model"], earlier["batch"], earlier["length"], earlier["precision"],
+                        earlier["checkpointing"])
+            measured = {"allocated": earlier["measured_allocated_bytes"],
+                        "reserved": earlier["measured_reserved_bytes"]}
+            rows.append(row(case, target, measured if isinstance(measured["allocated"], int) else None))
+    elif args.dry_run:
         with tempfile.TemporaryDirectory() as directory:
             cpu = resolve_profile("cpu")
             for case in tiny_grid(Path(directory)):

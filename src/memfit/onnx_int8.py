@@ -131,5 +131,7 @@ class OnnxClassifier(nn.Module):
         """Bytes of the model's weights in memory (int8 data, scales and zero points, fp32 rest)."""
 
     def forward(self, **inputs: torch.Tensor) -> Any:
+        if "attention_mask" not in inputs and "input_ids" in inputs:  # an unpadded batch carries no mask
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         feed = {name: inputs[name].numpy() for name in self.input_names}
         return SimpleNamespace(logits=torch.from_numpy(self.session.run(["logits"], feed)[0]))

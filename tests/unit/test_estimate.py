@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,20 @@ def test_fused_attention_keeps_no_scores_on_cuda_targets(tmp_path: Path) -> None
                          force_cpu_fp16=True, optimizer="sgd", momentum=0.0)
     cpu = estimate(config, device="cpu")  # math path with dropout: S x S probabilities and masks saved
     gpu = estimate(config, device="t4")  # memory-efficient kernel: log-sum-exp only
-    assert gpu.phases["forward"] < cpu.phases["forward"]
+    assert gpu.phases["forward"] - gpu.breakdown["workspaces"] < cpu.phases["forward"]
+
+
+def test_cuda_targets_count_the_cublas_workspaces(tmp_path: Path) -> None:
+    # measured on an H200 (benchmarks/cuda_workspace_probe.py): 32 MiB per thread that runs a matmul (the
+    # Python thread, the autograd engine's), 1 MiB of cuBLASLt for a biased Linear's forward
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    config = TrainConfig(model=str(model), effective_batch=8, max_length=32, precision="fp32")
+    assert estimate(config, device="cpu").breakdown["workspaces"] == 0
+    assert estimate(config, device="h200").breakdown["workspaces"] == 65 * 2**20
+    assert estimate(config, device="1080ti").breakdown["workspaces"] == 2 * (8 * 2**20 + 128 * 2**10) + 2**20
+    recomputing = estimate(dataclasses.replace(config, checkpointing="full"), device="h200")
+    assert recomputing.breakdown["workspaces"] == 66 * 2**20  # the recomputed forward runs on the backward thread
+    assert sum(recomputing.breakdown.values()) == recomputing.peak_bytes
 
 
 def test_big_models_are_estimated_without_their_memory() -> None:

@@ -121,7 +121,8 @@ def test_plain_fp32_is_chosen_where_fp16_is_no_faster(model_dir: Path, traces: d
 def test_every_exact_row_on_a_card_is_what_memfit_estimate_says(model_dir: Path) -> None:
     """A row marked exact on a CUDA profile is the trace ``memfit estimate`` makes of that setup, allocator
     reserve included: never the lean trace of the family's fit standing in for it."""
-    result = plan(base(model_dir, effective_batch=16), device=PASCAL, seq_len=64, budget=4 * 1024**2)
+    # 4 MiB of the step's own, 20 MiB for the segment that holds the cuBLAS workspaces (2 x 8.1 + 1 MiB)
+    result = plan(base(model_dir, effective_batch=16), device=PASCAL, seq_len=64, budget=26 * 1024**2)
     exact = [c for c in result.candidates if c.exact and c.accumulation_steps > 1]
     assert any(c.accumulation_steps == 2 for c in exact), "the budget must force accumulation 2"
     for candidate in exact:

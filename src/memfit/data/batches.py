@@ -52,15 +52,26 @@ class TextEncoder:
         return cls(input_ids=list(encoded["input_ids"]), labels=list(examples.labels), pad_token_id=pad)
 
     def __call__(self, indices: Sequence[int]) -> Batch:
-        rows = [self.input_ids[i] for i in indices]
-        width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)  # (B, S)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, S)
-        for position, row in enumerate(rows):
-            input_ids[position, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[position, : len(row)] = 1
-        labels = torch.tensor([self.labels[i] for i in indices], dtype=torch.long)  # (B,)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = pad([self.input_ids[i] for i in indices], self.pad_token_id)
+        batch["labels"] = torch.tensor([self.labels[i] for i in indices], dtype=torch.long)  # (B,)
+        return batch
+
+
+def pad(rows: list[list[int]], pad_token_id: int) -> Batch:
+    """``input_ids`` padded on the right to the longest row, and an ``attention_mask`` if any row is shorter.
+
+    A batch without padding gets no mask: transformers then skips building one (an all-ones mask is the same
+    as none), and the estimator, whose fake tensors transformers cannot read, traces exactly that step.
+    """
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (B, S)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, S)
+    for position, row in enumerate(rows):
+        input_ids[position, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[position, : len(row)] = 1
+    if all(len(row) == width for row in rows):
+        return {"input_ids": input_ids}
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def _read_image(item: ImageItem) -> np.ndarray:

@@ -24,8 +24,16 @@ forward):
   FlashAttention's own papers use.
 - **Allocator rounding** is not done here: the tracker rounds each storage to 512 bytes for CUDA targets.
 
-What only a GPU can confirm: the kernels' internal workspaces (flash backward's fp32 accumulators, cuBLAS
-workspaces) are not modelled; ``benchmarks/validate_estimator.py`` measures the remaining error.
+- **cuBLAS workspaces** (:func:`cublas_workspaces`) come from PyTorch's caching allocator, so they count in
+  ``memory_allocated``: one per (thread, stream) that runs a matmul, kept for the life of the process. A
+  training step has two such threads, the Python thread (forward) and the autograd engine's thread of the
+  device (backward, and the recomputed forward of checkpointed layers). Each gets a cuBLAS workspace (32 MiB
+  on compute capability 9.0, else 4 MiB x 2 + 16 KiB x 8, PyTorch's ``:4096:2:16:8`` default) and, when it
+  runs a Linear with a bias (addmm through cuBLASLt), a 1 MiB cuBLASLt workspace. On an H200 that is
+  65 MiB after one step, measured (``benchmarks/cuda_workspace_probe.py``).
+
+What only a GPU can confirm: the kernels' internal scratch (flash backward's fp32 accumulators) is not
+modelled; ``benchmarks/validate_estimator.py`` measures the remaining error.
 """
 
 from __future__ import annotations
@@ -67,6 +75,28 @@ CUDA_ONLY_LOW_PRECISION_FUNCTIONS: tuple[tuple[Any, str], ...] = (
     *((torch, name) for name in ("addmv", "addr", "mv")),
     *((torch.Tensor, name) for name in ("addmv", "addr", "mv")),
 )
+
+
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+"""PyTorch's default cuBLAS workspace per (thread, stream), ``CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8``."""
+CUBLAS_WORKSPACE_BYTES_SM90 = 4096 * 1024 * 8
+"""... on compute capability 9.0 (Hopper), ``:4096:8``."""
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
+"""PyTorch's default cuBLASLt workspace (``CUBLASLT_WORKSPACE_SIZE``, in KiB: 1024)."""
+
+
+def cublas_workspaces(compute_capability: tuple[int, int], *, biased_linear: bool,
+                      recompute: bool) -> list[int]:
+    """Bytes of each cuBLAS/cuBLASLt workspace a training step keeps from its first backward on.
+
+    ``biased_linear``: the model has a Linear with a bias (its forward runs addmm through cuBLASLt);
+    ``recompute``: checkpointed layers run that forward again on the backward thread.
+    """
+    cublas = CUBLAS_WORKSPACE_BYTES_SM90 if compute_capability == (9, 0) else CUBLAS_WORKSPACE_BYTES
+    sizes = [cublas, cublas]  # the Python thread's and the autograd engine's device thread's
+    if biased_linear:
+        sizes += [CUBLASLT_WORKSPACE_BYTES] * (2 if recompute else 1)
+    return sizes
 
 
 def attention_kernel(compute_capability: tuple[int, int], dtype: torch.dtype, has_mask: bool,

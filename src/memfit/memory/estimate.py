@@ -46,7 +46,7 @@ from memfit.data.batches import Batch
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
-from memfit.memory.emulation import CudaEmulation
+from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, count_parameters, resolve_model
 from memfit.quiet import quiet_imports
@@ -55,7 +55,7 @@ from memfit.techniques.optim import build_scheduler
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, read_values
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 SCALER_TENSORS = 4
 
 
@@ -125,8 +125,12 @@ class TraceInputs:
 
 
 def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
-                  image_size: int | None = None, steps: int = 2, lean_warmup: bool = False) -> TraceInputs:
-    """Validate ``config`` for the target and make the inputs; every problem is reported at once."""
+                  image_size: int | None = None, steps: int = 2, lean_warmup: bool = False,
+                  padded: bool = True) -> TraceInputs:
+    """Validate ``config`` for the target and make the inputs; every problem is reported at once.
+
+    ``padded=False``: every text fills the sequence length, so no micro-batch carries padding
+    (:func:`synthetic_batch`)."""
     config.validate()
     problems = Problems()
     profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
@@ -148,7 +152,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     # Host batches and their item counts, made before any fake mode: counting reads label values.
     micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window
     counts = [min(micro, per_rank - start) for start in range(0, per_rank, micro)]
-    windows = [[synthetic_batch(spec, count, length) for count in counts] for _ in range(steps)]
+    windows = [[synthetic_batch(spec, count, length, padded=padded) for count in counts] for _ in range(steps)]
     if lean_warmup and steps > 1:  # step 1 only creates the optimizer state: one micro-batch does that
         windows[0] = windows[0][:1]
     return TraceInputs(profile=profile, spec=spec, precision=precision_name,
@@ -158,18 +162,19 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
 
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
              image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False,
-             count_flops: bool = False, lean_warmup: bool = False) -> Estimate:
+             count_flops: bool = False, lean_warmup: bool = False, padded: bool = True) -> Estimate:
     """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
 
     ``count_flops=True`` also counts the FLOPs of the traced steps. ``lean_warmup=True`` runs the first step
     on one micro-batch only: that step exists to create the optimizer state (the steady-state peak is reached
-    in step 2 and later), so the peak of a window of accumulation is the same for fewer ops.
+    in step 2 and later), so the peak of a window of accumulation is the same for fewer ops. ``padded=False``
+    when every text fills the sequence length (no micro-batch is ever padded, see :func:`synthetic_batch`).
     ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
     measurement the estimate is checked against.
     """
     started = time.perf_counter()
     trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps,
-                          lean_warmup=lean_warmup)
+                          lean_warmup=lean_warmup, padded=padded)
     profile, spec, length, size = trace.profile, trace.spec, trace.sequence_length, trace.image_size
     windows, window_items = trace.windows, trace.window_items
     traced_samples = sum(window_items)  # before run_steps consumes the windows
@@ -198,6 +203,12 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
             # the scaler's state is made at the first backward and lives on: counted from the start
             scaler_bytes = sum(allocator.allocate(-1 - key, 4) if allocator is not None else 4
                                for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
+            # cuBLAS workspaces: made by the first forward and backward, kept by the process (emulation.py)
+            workspaces = cublas_workspaces(
+                emulation.compute_capability, biased_linear=_has_biased_linear(model),
+                recompute=config.checkpointing != "none") if emulation is not None else []
+            workspace_bytes = sum(allocator.allocate(-100 - key, size) if allocator is not None else size
+                                  for key, size in enumerate(workspaces))
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
                                           cpu_offload=config.cpu_offload)
@@ -206,16 +217,17 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
                       persistent_grads=strategy == "ddp")
-    peak = tracker.peak_bytes + scaler_bytes
+    peak = tracker.peak_bytes + scaler_bytes + workspace_bytes
     breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
     breakdown["temporaries"] += scaler_bytes
+    breakdown["workspaces"] += workspace_bytes
     peak_reserved = allocator.peak_reserved_bytes if allocator is not None else peak
     non_pytorch = profile.non_pytorch_bytes
     fits = headroom = None
     if profile.kind == "cuda":
         headroom = profile.memory_bytes - peak_reserved - non_pytorch
         fits = headroom >= 0
-    phases = {name: value + scaler_bytes for name, value in tracker.phase_peaks.items()}
+    phases = {name: value + scaler_bytes + workspace_bytes for name, value in tracker.phase_peaks.items()}
     flops = None
     if count_flops:
         flops = tracker.flops + (emulation.attention_flops if emulation is not None else 0)
@@ -272,6 +284,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
         window_loss, _ = accumulate_window(model, micro_batches, items,
                                            precision=precision, scaler=scaler, device=device, phases=phases,
                                            sync=sync)
+        del micro_batches  # the engine's window runner drops its batches before the optimizer step
         if world_size > 1:
             window_loss = distributed.mean_over_ranks(window_loss)
             if tracker is not None:  # FSDP2 sets the reduced shard as .grad (no accumulate-grad hook runs)
@@ -281,7 +294,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
                        after_update=None if tracker is None else functools.partial(
                            label_optimizer_state, tracker, optimizer,
                            host_step_counters=cuda and not optimizer.defaults.get("fused")))
-        del window_loss, micro_batches
+        del window_loss
         if after_step is not None:
             after_step(step)
     del buckets
@@ -367,21 +380,27 @@ def resolve_strategy(config: TrainConfig, device: Device) -> str:
         return strategy_for(config, profile_for(device), config.emulate_budget_bytes)
 
 
-def synthetic_batch(spec: ModelSpec, batch_size: int, length: int) -> Batch:
+def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bool = True) -> Batch:
     """A host batch of the given shape: texts at full length, the worst case padding can reach.
 
-    One position is masked out, as in any padded batch: transformers skips building the attention mask when
-    the mask is all ones, a branch a real padded batch never takes.
+    ``padded``: one position is masked out, as in a padded batch. That is a different step, not only a
+    different mask: without a mask (the encoders leave out an all-ones one, :func:`memfit.data.batches.pad`)
+    attention runs SDPA with ``is_causal`` and grouped-query K/V as they are, while a padded batch builds a
+    (B, 1, S, S) mask and, for grouped-query attention, repeats K and V to every head, tensors the backward
+    keeps. (transformers cannot read a fake mask's values, so a fake all-ones mask would take the padded
+    branch.) A micro-batch of one sample is never padded; nor is any micro-batch of texts that all fill
+    ``--max-length``.
     """
     labels = torch.zeros(batch_size, dtype=torch.long)  # (B,)
     if spec.modality == "vision":
         channels, size = int(spec.hf_config.num_channels), int(spec.hf_config.image_size)
         return {"pixel_values": torch.zeros(batch_size, channels, size, size), "labels": labels}  # (B, C, H, W)
-    attention_mask = torch.ones(batch_size, length, dtype=torch.long)  # (B, S)
-    if length > 1:
+    batch = {"input_ids": torch.zeros(batch_size, length, dtype=torch.long), "labels": labels}  # (B, S)
+    if padded and batch_size > 1 and length > 1:
+        attention_mask = torch.ones(batch_size, length, dtype=torch.long)  # (B, S)
         attention_mask[-1, -1] = 0
-    return {"input_ids": torch.zeros(batch_size, length, dtype=torch.long),  # (B, S)
-            "attention_mask": attention_mask, "labels": labels}
+        batch["attention_mask"] = attention_mask
+    return batch
 
 
 def shape_problems(spec: ModelSpec, length: int, image_size: int | None) -> list[str]:
@@ -404,6 +423,10 @@ def _config_only(spec: ModelSpec, image_size: int | None) -> ModelSpec:
     if image_size is not None and image_size != getattr(hf_config, "image_size", image_size):
         hf_config = hf_config.__class__.from_dict({**hf_config.to_dict(), "image_size": image_size})
     return dataclasses.replace(spec, hf_config=hf_config, weights_dir=None)
+
+
+def _has_biased_linear(model: torch.nn.Module) -> bool:
+    return any(isinstance(module, torch.nn.Linear) and module.bias is not None for module in model.modules())
 
 
 @contextlib.contextmanager

@@ -51,6 +51,8 @@ class MemorySnapshot:
     peak_bytes: int
     reserved_bytes: int | None = None
     """CUDA caching allocator's reserved bytes; ``None`` on CPU."""
+    peak_reserved_bytes: int | None = None
+    """Highest reserved bytes (CUDA) since the monitor started or its peaks were reset."""
     rss_bytes: int | None = None
     """Process resident set size now (CPU)."""
     peak_rss_bytes: int | None = None
@@ -66,6 +68,7 @@ class Monitor:
         self.budget_bytes = budget_bytes
         self.tracker = StorageTracker(budget_bytes=budget_bytes) if device_type == "cpu" else None
         self._cuda_peak = 0
+        self._cuda_reserved_peak = 0
         self._cuda_phase_peaks: dict[str, int] = {}
         self._process = psutil.Process()
         self._cuda_timeline: tuple[int, list[tuple[int, str | None]]] | None = None
@@ -118,6 +121,16 @@ class Monitor:
             peak = torch.cuda.max_memory_allocated()
             self._cuda_phase_peaks[name] = max(self._cuda_phase_peaks.get(name, 0), peak)
             self._cuda_peak = max(self._cuda_peak, peak)
+            self._cuda_reserved_peak = max(self._cuda_reserved_peak, torch.cuda.max_memory_reserved())
+
+    def reset_peaks(self) -> None:
+        """Forget the peaks so far (e.g. a warm-up step's): later snapshots report peaks from here on."""
+        if self.tracker is not None:
+            self.tracker.reset_peaks()
+            return
+        torch.cuda.reset_peak_memory_stats()
+        self._cuda_peak = self._cuda_reserved_peak = 0
+        self._cuda_phase_peaks.clear()
 
     def start_timeline(self) -> None:
         """Record every allocation and free from now on, until :meth:`stop_timeline`."""
@@ -157,6 +170,7 @@ class Monitor:
         return MemorySnapshot(current_bytes=torch.cuda.memory_allocated(),
                               peak_bytes=max(self._cuda_peak, torch.cuda.max_memory_allocated()),
                               reserved_bytes=torch.cuda.memory_reserved(),
+                              peak_reserved_bytes=max(self._cuda_reserved_peak, torch.cuda.max_memory_reserved()),
                               phase_peaks=dict(self._cuda_phase_peaks))
 
 
