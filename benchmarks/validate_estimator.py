@@ -105,7 +105,7 @@ def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[st
     config = case.config()
     trace = prepare_trace(config, device=profile, **case.shape())
     precision = Precision(trace.precision, device.type)
-    model = build_with_techniques(trace.spec, config, label_names=["0", "1"], pad_token_id=0)
+    model = build_with_techniques(trace.spec, config, label_names=["0", "1"], pad_token_id=0, task=trace.task)
     model.train()
     if device.type == "cuda":
         model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly

@@ -34,6 +34,14 @@ TINY_VIT: dict[str, Any] = {
     "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
 }
 
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    "tie_word_embeddings": True,
+}
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} [end] {% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
 WORDS_GOOD = ["great", "wonderful", "moving", "sharp", "funny", "brilliant", "warm"]
 WORDS_BAD = ["dull", "boring", "tedious", "flat", "messy", "weak", "lifeless"]
 FILLER = ["the", "film", "is", "a", "story", "that", "with", "its", "cast", "and", "plot"]
@@ -90,6 +98,35 @@ def write_long_text_task(root: Path) -> tuple[Path, Path]:
             words.insert(rng.randrange(8), rng.choice(WORDS_GOOD if index % 2 == 0 else WORDS_BAD))
             writer.writerow([" ".join(words), "pos" if index % 2 == 0 else "neg"])
     return model, data
+
+
+def write_tiny_llm(path: Path, *, chat: bool = True, config: dict[str, Any] | None = None) -> Path:
+    """A tiny random-init Llama causal LM with its own WordPiece tokenizer (and a chat template)."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[", "]", "user", "assistant", "end", "review",
+             "verdict", "yes", "no", ":", "?", ".", *FILLER, *WORDS_GOOD, *WORDS_BAD]
+    write_model_dir(path, {**TINY_LLAMA, "vocab_size": len(vocab), **(config or {})})
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer_config: dict[str, Any] = {"tokenizer_class": "BertTokenizer", "do_lower_case": True}
+    if chat:
+        tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+def write_pairs(path: Path, count: int = 48, *, chat: bool = False, seed: int = 0) -> Path:
+    """Instruction pairs as JSONL: a review and its verdict (``yes``/``no``), prompt/completion or messages."""
+    rng = random.Random(seed)
+    with path.open("w") as file:
+        for index in range(count):
+            positive = index % 2 == 0
+            words = rng.choices(FILLER, k=rng.randint(2, 12))
+            words.insert(rng.randrange(len(words) + 1), rng.choice(WORDS_GOOD if positive else WORDS_BAD))
+            prompt, answer = f"review : {' '.join(words)} . verdict ?", "yes" if positive else "no"
+            row: dict[str, Any] = ({"messages": [{"role": "user", "content": prompt},
+                                                 {"role": "assistant", "content": answer}]} if chat
+                                   else {"prompt": prompt, "completion": " " + answer})
+            file.write(json.dumps(row) + "\n")
+    return path
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ step that really runs.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +19,10 @@ from torch import nn
 
 from memfit import data as datasets
 from memfit.config import TrainConfig
-from memfit.data.batches import Encoder, ImageEncoder, TextEncoder
+from memfit.data.batches import CausalEncoder, Encoder, ImageEncoder, TextEncoder
 from memfit.devices import Device, resolve_device
 from memfit.errors import ConfigError, DataError, Problems
-from memfit.models import ModelSpec, build_model, check_compatible, load_tokenizer, resolve_model
+from memfit.models import ModelSpec, build_model, check_compatible, is_decoder_llm, load_tokenizer, resolve_model
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
 from memfit.techniques.optim import build_optimizer, optimizer_problems, step_kernels
@@ -40,20 +41,29 @@ class Prepared:
     val_examples: datasets.Examples
     tokenizer: Any
     """The text model's tokenizer; ``None`` for vision models."""
+    task: str
+    """``classification`` or ``causal-lm`` (``auto`` resolved)."""
+    causal_encoders: tuple[CausalEncoder, CausalEncoder] | None = None
+    """Causal-LM runs: the training and validation examples tokenised (in :func:`prepare`, where a completion
+    too long for ``--max-length`` is reported before anything is written)."""
 
     @property
     def label_names(self) -> list[str]:
         return self.train_examples.label_names
 
     def encoder(self, examples: datasets.Examples) -> Encoder:
+        if self.causal_encoders is not None:
+            return self.causal_encoders[0] if examples is self.train_examples else self.causal_encoders[1]
         if isinstance(examples, datasets.TextExamples):
             return TextEncoder.build(examples, self.tokenizer, self.config.max_length)
+        assert isinstance(examples, datasets.ImageExamples), "causal-LM examples have their encoders"
         hf_config = self.spec.hf_config
         return ImageEncoder.build(examples, int(hf_config.image_size), int(hf_config.num_channels))
 
 
-def prepare(config: TrainConfig) -> Prepared:
-    """Validate ``config`` against the device, the model and the data; raise once with every problem."""
+def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> Prepared:
+    """Validate ``config`` against the device, the model and the data; raise once with every problem.
+    ``log`` hears of slow one-time work (converting a packaged model)."""
     config.validate()
     problems = Problems()
     device = problems.collect(lambda: resolve_device(config.device))
@@ -63,10 +73,10 @@ def prepare(config: TrainConfig) -> Prepared:
                                                                force_cpu_fp16=config.force_cpu_fp16)
         problems.lines.extend(precision_problems)
     problems.lines.extend(optimizer_problems(config.optimizer))
-    spec = problems.collect(lambda: resolve_model(config.model))
+    spec = problems.collect(lambda: resolve_model(config.model, log=log))
+    task = resolve_task(config, spec)
     data_problems = Problems()
-    examples = data_problems.collect(lambda: datasets.load_examples(
-        config.data, text_column=config.text_column, label_column=config.label_column))
+    examples = data_problems.collect(lambda: datasets.load_examples(config.data, columns=config.columns, task=task))
     tokenizer = None
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
@@ -80,9 +90,37 @@ def prepare(config: TrainConfig) -> Prepared:
         raise (ConfigError if problems else DataError)(problems.lines + data_problems.lines)
     assert device is not None and spec is not None and examples is not None
     train_examples, val_examples = datasets.split(examples, val_fraction=config.val_fraction, seed=config.seed)
+    train_examples = datasets.first(train_examples, config.train_samples)
+    val_examples = datasets.first(val_examples, config.val_samples)
+    encoders = None
+    if isinstance(train_examples, datasets.CausalExamples) and isinstance(val_examples, datasets.CausalExamples):
+        encoders = causal_encoders(config, tokenizer, train_examples, val_examples)
     return Prepared(config=config, device=device, precision=Precision(precision_name, device.kind), spec=spec,
-                    train_examples=datasets.first(train_examples, config.train_samples),
-                    val_examples=datasets.first(val_examples, config.val_samples), tokenizer=tokenizer)
+                    train_examples=train_examples, val_examples=val_examples, tokenizer=tokenizer, task=task,
+                    causal_encoders=encoders)
+
+
+def resolve_task(config: TrainConfig, spec: ModelSpec | None) -> str:
+    """``--task auto``: causal-LM fine-tuning for instruction data and for decoder LLMs, else classification."""
+    if config.task != "auto":
+        return config.task
+    if datasets.holds_instructions(config.data, config.columns) or (spec is not None and is_decoder_llm(spec)):
+        return "causal-lm"
+    return "classification"
+
+
+def causal_encoders(config: TrainConfig, tokenizer: Any, train: datasets.CausalExamples,
+                    val: datasets.CausalExamples) -> tuple[CausalEncoder, CausalEncoder]:
+    if (train.chat or val.chat) and not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"--data {config.data} holds chat messages but --model {config.model}'s tokenizer has no "
+                        "chat template; use an instruct model's tokenizer, or write prompt/completion pairs")
+    encoders = []
+    for name, examples in (("training", train), ("validation", val)):
+        try:
+            encoders.append(CausalEncoder.build(examples, tokenizer, config.max_length))
+        except DataError as error:
+            raise DataError(f"--data {config.data}: {name} {error.problems[0]}") from None
+    return encoders[0], encoders[1]
 
 
 def depth_problems(config: TrainConfig, spec: ModelSpec) -> list[str]:
@@ -93,7 +131,9 @@ def depth_problems(config: TrainConfig, spec: ModelSpec) -> list[str]:
 
 
 def _head_problems(config: TrainConfig, spec: ModelSpec, examples: datasets.Examples) -> list[str]:
-    problems = []
+    problems: list[str] = []
+    if isinstance(examples, datasets.CausalExamples):
+        return problems
     is_text = isinstance(examples, datasets.TextExamples)
     if is_text != (spec.modality == "text"):
         kinds = ("text", "image") if is_text else ("image", "text")
@@ -110,14 +150,14 @@ def build_model_for(prepared: Prepared) -> transformers.PreTrainedModel:
     """The model of a prepared run, with its techniques applied."""
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
     return build_with_techniques(prepared.spec, prepared.config, label_names=prepared.label_names,
-                                 pad_token_id=pad)
+                                 pad_token_id=pad, task=prepared.task)
 
 
 def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: list[str],
-                          pad_token_id: int | None) -> transformers.PreTrainedModel:
+                          pad_token_id: int | None, task: str = "classification") -> transformers.PreTrainedModel:
     """Build the model and apply the techniques in order: freeze -> checkpointing (precision is a context)."""
     torch.manual_seed(config.seed)
-    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id)
+    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id, task=task)
     apply_freezing(model, freeze_embeddings=config.freeze_embeddings, train_top_layers=config.train_top_layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

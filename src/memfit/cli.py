@@ -19,6 +19,7 @@ from memfit.config import (
     DISTRIBUTED,
     OPTIMIZERS,
     PRECISIONS,
+    TASKS,
     TrainConfig,
     from_mapping,
     load_config_file,
@@ -34,7 +35,7 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _bool_flag(group: argparse._ArgumentGroup, name: str, help_text: str) -> None:
+def _bool_flag(group: argparse._ArgumentGroup | argparse.ArgumentParser, name: str, help_text: str) -> None:
     group.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
 
@@ -57,8 +58,16 @@ def _model_and_data_options(parser: argparse.ArgumentParser, defaults: TrainConf
                                       f"[{defaults.model}]")
     data.add_argument("--data", help=f"built-in ({', '.join(BUILTIN)}), a .csv/.jsonl file, or an image folder "
                                      f"[{defaults.data}]")
+    data.add_argument("--task", choices=TASKS, help="classification, or causal-LM fine-tuning on instruction "
+                                                    "data [auto: causal-lm for prompt/completion or messages data "
+                                                    "and for decoder LLMs]")
     data.add_argument("--text-column", help=f"text column of a CSV/JSONL file [{defaults.text_column}]")
     data.add_argument("--label-column", help=f"label column of a CSV/JSONL file [{defaults.label_column}]")
+    data.add_argument("--prompt-column", help=f"prompt column of instruction data [{defaults.prompt_column}]")
+    data.add_argument("--completion-column", help="completion column of instruction data (the loss is on it) "
+                                                  f"[{defaults.completion_column}]")
+    data.add_argument("--messages-column", help="chat field of instruction data: a list of role/content turns "
+                                                f"ending with the answer [{defaults.messages_column}]")
     data.add_argument("--max-length", type=int, help=f"tokens per text [{defaults.max_length}]")
     data.add_argument("--val-fraction", type=float, help=f"held-out share [{defaults.val_fraction}]")
     data.add_argument("--train-samples", type=int, help="use only N training examples")
@@ -117,6 +126,7 @@ def _schedule_options(parser: argparse.ArgumentParser, defaults: TrainConfig) ->
     schedule.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
     schedule.add_argument("--seed", type=int, help=f"[{defaults.seed}]")
     schedule.add_argument("--log-every", type=int, help=f"optimizer steps per metrics line [{defaults.log_every}]")
+    _bool_flag(schedule, "eval-before", "also evaluate before the first step (zero-shot accuracy) [off]")
 
 
 def _planning_and_reliability_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
@@ -184,6 +194,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--effective-batch", type=int, help="samples per optimizer step; never changed by the "
                                                             f"plan [{defaults.effective_batch}]")
     target.add_argument("--num-labels", type=int, default=2, help="classes of the task head [2]")
+    target.add_argument("--task", choices=TASKS, help="[auto: causal-lm for decoder LLMs]")
     budget = parser.add_argument_group("the budget")
     budget.add_argument("--device", default="1080ti", help=f"device profile ({', '.join(PROFILES)}) or a "
                                                            ".toml/.json profile file [1080ti]")
@@ -273,7 +284,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from memfit.planner import plan
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer", "distributed")
+    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer", "distributed", "task")
              if getattr(args, name) is not None}
     if args.seq_len is not None:
         given["max_length"] = args.seq_len
@@ -379,6 +390,13 @@ def build_parser() -> Parser:
     bench = commands.add_parser("bench", help="measure memory, speed and accuracy of the memory-saving setups "
                                               "(and memfit's plan) on this machine")
     add_bench_options(bench)
+    generate = commands.add_parser("generate", help="a greedy completion from a fine-tuned causal LM")
+    generate.add_argument("model", metavar="RUN_DIR_OR_MODEL_DIR", help="a causal-LM run dir, a model dir or an "
+                                                                       "LLM preset with weights (smollm2-135m)")
+    generate.add_argument("--prompt", required=True, help="the prompt (as one user turn when the tokenizer has a "
+                                                          "chat template)")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
+    _bool_flag(generate, "raw", "feed the prompt as it is, without the chat template [off]")
     commands.add_parser("models", help="list the model presets")
     commands.add_parser("devices", help="list the device profiles")
     return parser
@@ -419,6 +437,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "generate":
+            from memfit.generate import generate
+
+            print(generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens, raw=bool(args.raw)))
+            return 0
         if args.command == "bench":
             return run_bench_command(args, argv)
         if args.command in ("quantize", "eval"):

@@ -13,17 +13,21 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import ConfigError, Problems
 from memfit.files import load_option_file
 from memfit.units import parse_bytes
+
+if TYPE_CHECKING:
+    from memfit.data import Columns
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 CHECKPOINTING = ("none", "full", "every-n")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED = ("none", "ddp", "fsdp", "auto")
+TASKS = ("auto", "classification", "causal-lm")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,10 +37,20 @@ class TrainConfig:
     """A preset name (``memfit models``) or a local Hugging Face model directory."""
     data: str = "rotten-tomatoes"
     """A built-in dataset name, a CSV/JSONL file, or an image folder with one subfolder per class."""
+    task: str = "auto"
+    """``classification | causal-lm | auto``. auto: causal-LM fine-tuning for instruction data
+    (prompt/completion or messages) and for decoder LLMs (the LLM presets, ``*ForCausalLM`` directories);
+    otherwise classification."""
     text_column: str = "text"
     """Column holding the text in a CSV/JSONL file."""
     label_column: str = "label"
     """Column holding the label in a CSV/JSONL file."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt of an instruction pair (causal-lm)."""
+    completion_column: str = "completion"
+    """Column holding the completion of an instruction pair: what the model learns to write (causal-lm)."""
+    messages_column: str = "messages"
+    """Field holding a chat conversation, a list of {"role", "content"} turns ending with the answer."""
     max_length: int = 64
     """Tokens per text after truncation. Activation memory grows linearly (quadratically for the math attention
     kernel) with it."""
@@ -110,6 +124,8 @@ class TrainConfig:
     """Passes over the training split (one pass of MiniLM over Rotten Tomatoes already reaches ~0.78)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (even mid-epoch)."""
+    eval_before: bool = False
+    """Also evaluate before the first step (zero-shot, for a pretrained LLM): ``val_accuracy_before``."""
     seed: int = 0
     """Seeds the split, the shuffling and the head's initialisation: the same seed gives the same losses."""
     log_every: int = 10
@@ -159,6 +175,7 @@ class TrainConfig:
         _check_choice(problems, "precision", self.precision, PRECISIONS)
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice(problems, "task", self.task, TASKS)
         _check_distributed(problems, self)
         _check_step_kernels(problems, self)
         if self.device not in DEVICES:
@@ -253,6 +270,14 @@ class TrainConfig:
         """Micro-steps per full window on each rank; the last one is smaller when the micro batch does not
         divide it. ``effective_batch = micro x accumulation x world_size`` (when they divide)."""
         return math.ceil(self.per_rank_batch / self.resolved_micro_batch_size)
+
+    @property
+    def columns(self) -> Columns:
+        """The file's field names."""
+        from memfit.data import Columns
+
+        return Columns(text=self.text_column, label=self.label_column, prompt=self.prompt_column,
+                       completion=self.completion_column, messages=self.messages_column)
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

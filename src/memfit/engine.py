@@ -147,16 +147,17 @@ def log_step(run: Run, epoch: int, check: StepCheck, samples: int, seconds: floa
 
 
 def evaluate_epoch(run: Run, epoch: int) -> None:
-    """Validation accuracy and loss after ``epoch``; an OOM halves only the evaluation batch."""
+    """The validation metrics after ``epoch`` (epoch 0: before training); an OOM halves only the evaluation
+    batch."""
     recorded = len(run.recovery.events)
     with run.monitor.phase("eval"):
-        accuracy, val_loss = run.recovery.run_eval(run.state.position.step, lambda size: evaluate(
+        metrics = run.recovery.run_eval(run.state.position.step, lambda size: evaluate(
             run.evaluation, len(run.prepared.val_examples), size))
     report_oom(run.reporter, run.recovery.events[recorded:])
-    record = {"type": "eval", "epoch": epoch, "step": run.state.position.step, "accuracy": accuracy,
-              "loss": val_loss}
+    record = {"type": "eval", "epoch": epoch, "step": run.state.position.step, **metrics}
     run.state.evaluations.append(record)
     run.reporter.evaluation(record)
+    run.model.train()
 
 
 def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, output_dir: Path,
@@ -212,6 +213,8 @@ def start_run(run: Run) -> None:
     run.order = window_order(run.num_train, seed=run.config.seed, epoch=run.state.position.epoch)
     if run.checkpoint is not None:
         checkpointer.restore(run, run.checkpoint)
+    elif run.config.eval_before:  # zero-shot: the model as loaded, before any step
+        evaluate_epoch(run, 0)
 
 
 def finish(run: Run, started: float) -> Summary:
@@ -223,6 +226,10 @@ def finish(run: Run, started: float) -> Summary:
     config, state, counters = run.config, run.state, run.state.counters
     summary = Summary(
         val_accuracy=state.evaluations[-1]["accuracy"], val_loss=state.evaluations[-1]["loss"],
+        val_perplexity=state.evaluations[-1].get("perplexity"),
+        val_accuracy_before=next((record["accuracy"] for record in state.evaluations if record["epoch"] == 0),
+                                 None),
+        task=run.prepared.task,
         train_loss=state.loss.last_loss, peak_memory_bytes=memory.peak_bytes,
         peak_memory_by_phase={name: memory.phase_peaks.get(name, 0) for name in (*PHASES, "eval")},
         samples_per_second=state.samples_per_second,

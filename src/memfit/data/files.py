@@ -13,7 +13,7 @@ from memfit.errors import DataError
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
     try:
         return _read_csv(path) if path.suffix.lower() == ".csv" else _read_jsonl(path)
     except UnicodeDecodeError as error:
@@ -63,7 +63,7 @@ def label_vocabulary(values: list[Any]) -> list[str]:
 
 
 def load_table(path: Path, *, text_column: str, label_column: str) -> TextExamples:
-    rows = _read_rows(path)
+    rows = read_rows(path)
     if not rows:
         raise DataError(f"--data {path}: the file holds no rows")
     columns = list(rows[0].keys())

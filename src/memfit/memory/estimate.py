@@ -40,7 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit import distributed
-from memfit.build import build_optimizer_for, build_with_techniques, depth_problems
+from memfit.build import build_optimizer_for, build_with_techniques, depth_problems, resolve_task
 from memfit.config import TrainConfig
 from memfit.data.batches import Batch
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
@@ -55,7 +55,8 @@ from memfit.techniques.optim import build_scheduler
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, read_values
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits_and_loss", "temporaries", "inputs",
+              "workspaces")
 SCALER_TENSORS = 4
 
 
@@ -122,6 +123,7 @@ class TraceInputs:
     image_size: int | None
     windows: list[list[Batch]]
     window_items: list[int]
+    task: str = "classification"
 
 
 def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
@@ -149,15 +151,17 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     vision = spec.modality == "vision"
     size = (image_size or int(spec.hf_config.image_size)) if vision else None
     spec = _config_only(spec, size)
+    task = resolve_task(config, spec)
     # Host batches and their item counts, made before any fake mode: counting reads label values.
     micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window
     counts = [min(micro, per_rank - start) for start in range(0, per_rank, micro)]
-    windows = [[synthetic_batch(spec, count, length, padded=padded) for count in counts] for _ in range(steps)]
+    windows = [[synthetic_batch(spec, count, length, padded=padded, causal=task == "causal-lm") for count in counts]
+               for _ in range(steps)]
     if lean_warmup and steps > 1:  # step 1 only creates the optimizer state: one micro-batch does that
         windows[0] = windows[0][:1]
     return TraceInputs(profile=profile, spec=spec, precision=precision_name,
                        sequence_length=None if vision else length, image_size=size, windows=windows,
-                       window_items=[sum(item_count(batch) for batch in window) for window in windows])
+                       window_items=[sum(item_count(batch) for batch in window) for window in windows], task=task)
 
 
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
@@ -195,7 +199,9 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     with world as mesh, fake_mode or contextlib.nullcontext(), (
             contextlib.nullcontext() if execute else _no_init_weights()):
         model: torch.nn.Module = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
-                                                       pad_token_id=0)
+                                                       pad_token_id=0, task=trace.task)
+        if not execute:  # transformers ties input and output embeddings in the init_weights skipped above
+            model.tie_weights()  # type: ignore[operator]
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
@@ -380,7 +386,8 @@ def resolve_strategy(config: TrainConfig, device: Device) -> str:
         return strategy_for(config, profile_for(device), config.emulate_budget_bytes)
 
 
-def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bool = True) -> Batch:
+def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bool = True,
+                    causal: bool = False) -> Batch:
     """A host batch of the given shape: texts at full length, the worst case padding can reach.
 
     ``padded``: one position is masked out, as in a padded batch. That is a different step, not only a
@@ -390,8 +397,14 @@ def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bo
     keeps. (transformers cannot read a fake mask's values, so a fake all-ones mask would take the padded
     branch.) A micro-batch of one sample is never padded; nor is any micro-batch of texts that all fill
     ``--max-length``.
+
+    ``causal``: token labels, shifted as the causal-LM encoder shifts them, on every position but the last
+    (the worst case: a one-token prompt, the rest completion).
     """
     labels = torch.zeros(batch_size, dtype=torch.long)  # (B,)
+    if causal:
+        labels = torch.zeros(batch_size, length, dtype=torch.long)  # (B, S)
+        labels[:, -1] = -100
     if spec.modality == "vision":
         channels, size = int(spec.hf_config.num_channels), int(spec.hf_config.image_size)
         return {"pixel_values": torch.zeros(batch_size, channels, size, size), "labels": labels}  # (B, C, H, W)

@@ -57,6 +57,9 @@ def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
             yield tensor
 
 
+LOGITS = "logits_and_loss"
+
+
 class StorageTracker(TorchDispatchMode):
     def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None,
                  budget_bytes: int | None = None, count_flops: bool = False) -> None:
@@ -78,6 +81,8 @@ class StorageTracker(TorchDispatchMode):
         self._flop_formulas = flop_registry if count_flops else None
         """Ops dispatched per named phase: what a step's per-op (launch) overhead scales with."""
         self._phase: str | None = None
+        self._label: str | None = None
+        """Category of what the rest of this phase allocates (set by an output-embedding hook)."""
         self._sizes: dict[int, int] = {}
         self._categories: dict[int, str] = {}
         self.category_bytes: dict[str, int] = {}
@@ -116,14 +121,23 @@ class StorageTracker(TorchDispatchMode):
                     f"{self.budget_bytes:,} bytes live")
             nbytes = self.allocator.allocate(key, raw) if self.allocator is not None and raw else self._rounded(raw)
             self._sizes[key] = nbytes
-            kind = category or ("activations" if self._phase == "forward" else "temporaries")
+            kind = category or self._label or ("activations" if self._phase == "forward" else "temporaries")
             self._categories[key] = kind
             self.category_bytes[kind] = self.category_bytes.get(kind, 0) + nbytes
             weakref.finalize(storage, self._release, key)
             self._grow(nbytes)
 
     def track_module(self, module: torch.nn.Module) -> None:
+        """Count the module's parameters and buffers; a language model's logits, and what the loss makes of
+        them in the same phase (the fp32 copy, log-softmax), count as ``logits_and_loss``."""
         self.track(*module.parameters(), *module.buffers(), category="parameters")
+        head = getattr(module, "get_output_embeddings", lambda: None)()
+        if isinstance(head, torch.nn.Module):
+            head.register_forward_pre_hook(self._logits_start)
+
+    def _logits_start(self, module: torch.nn.Module, args: Any) -> None:
+        if self._phase is not None:
+            self._label = LOGITS
 
     def relabel(self, tensors: list[torch.Tensor], category: str) -> None:
         """Move already-counted storages to ``category`` (e.g. a gradient once it sits in ``.grad``)."""
@@ -169,12 +183,12 @@ class StorageTracker(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         """Attribute the peak reached inside the block to phase ``name`` (the max over all its entries)."""
         outer = self._phase
-        self._phase = name
+        self._phase, self._label = name, None
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live_bytes)
         try:
             yield
         finally:
-            self._phase = outer
+            self._phase, self._label = outer, None
 
     def reset_peaks(self) -> None:
         self.peak_bytes = self.live_bytes
