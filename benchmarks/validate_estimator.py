@@ -51,6 +51,7 @@ class Case:
     """Sequence length (text) or image size (vision)."""
     precision: str
     checkpointing: str
+    train_top_layers: int | None = None
 
     @property
     def vision(self) -> bool:
@@ -59,14 +60,15 @@ class Case:
     def config(self) -> TrainConfig:
         return TrainConfig(model=self.model, micro_batch_size=self.batch, effective_batch=self.batch,
                            max_length=self.length if not self.vision else 128, precision=self.precision,
-                           checkpointing=self.checkpointing)
+                           checkpointing=self.checkpointing, train_top_layers=self.train_top_layers)
 
     def shape(self) -> dict[str, Any]:
         return {"seq_len": None if self.vision else self.length, "image_size": self.length if self.vision else None}
 
 
 def cuda_grid(name: str) -> list[Case]:
-    """BERT-base/large and ViT-base/large at several shapes, fp32/fp16/bf16, with and without checkpointing."""
+    """BERT-base/large and ViT-base/large at several shapes, fp32/fp16/bf16, with and without checkpointing, and
+    two causal LMs."""
     text = [("bert-base", 8, 128), ("bert-base", 32, 128), ("bert-base", 8, 512), ("bert-large", 8, 512)]
     vision = [("vit-base", 8, 224), ("vit-base", 32, 224), ("vit-large", 8, 224)]
     shapes = text + vision
@@ -74,10 +76,13 @@ def cuda_grid(name: str) -> list[Case]:
     checkpointing = ("none", "full")
     if name == "tiny":
         return []
+    # causal LMs (the LLM presets train as causal LMs): SmolLM2-360M, and Llama-3.2-1B with its top 4 layers
+    # trained (the plan for 11 GiB at 1024 tokens), bf16 with checkpointing
+    llms = [Case("smollm2-360m", 4, 512, "bf16", "full"), Case("llama-3.2-1b", 1, 1024, "bf16", "full", 4)]
     if name == "small":
         shapes = [("bert-base", 8, 128), ("bert-large", 8, 512), ("vit-base", 8, 224)]
     return [Case(model, batch, length, precision, ckpt) for model, batch, length in shapes
-            for precision in precisions for ckpt in checkpointing]
+            for precision in precisions for ckpt in checkpointing] + llms
 
 
 def tiny_grid(directory: Path) -> list[Case]:
@@ -187,7 +192,7 @@ def main() -> int:
         target = resolve_profile(args.device)
         for earlier in json.loads(Path(args.measured).read_text())["rows"]:
             case = Case(earlier["model"], earlier["batch"], earlier["length"], earlier["precision"],
-                        earlier["checkpointing"])
+                        earlier["checkpointing"], earlier.get("train_top_layers"))
             measured = {"allocated": earlier["measured_allocated_bytes"],
                         "reserved": earlier["measured_reserved_bytes"]}
             rows.append(row(case, target, measured if isinstance(measured["allocated"], int) else None))

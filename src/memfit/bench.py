@@ -253,7 +253,7 @@ def _run_row(setup: Setup, run_dir: Path, log: Callable[[str], None]) -> dict[st
                micro_batch_size=summary["micro_batch_size"], accumulation_steps=summary["accumulation_steps"],
                oom_recoveries=len(summary["oom_recoveries"]))
     log(f"  peak {format_bytes(row['peak_memory_bytes'])} (predicted {format_bytes(row['predicted_peak_bytes'])}), "
-        f"{per_sample:.1f} samples/s, val accuracy {row['val_accuracy']:.4f} ({row['seconds']:.0f} s)")
+        f"{per_sample:.1f} samples/s, val accuracy {_accuracy(row['val_accuracy'])} ({row['seconds']:.0f} s)")
     return row
 
 
@@ -355,7 +355,8 @@ def _compare(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         if row["error"] is not None:
             continue
-        row["accuracy_delta_points"] = round(100 * (row["val_accuracy"] - baseline["val_accuracy"]), 2) + 0.0
+        if row["val_accuracy"] is not None and baseline["val_accuracy"] is not None:  # open-ended LM: none
+            row["accuracy_delta_points"] = round(100 * (row["val_accuracy"] - baseline["val_accuracy"]), 2) + 0.0
         row["memory_ratio"] = round(row["peak_memory_bytes"] / baseline["peak_memory_bytes"], 3)
         if row["kind"] == "training":
             row["speed_ratio"] = round(row["samples_per_second"] / baseline["samples_per_second"], 3)
@@ -401,7 +402,7 @@ def markdown(result: BenchResult) -> str:
             format_bytes(row["predicted_peak_bytes"]), f"{row['samples_per_second']:.1f}" + (
                 f" ±{50 * row['step_time_spread']:.0f}%" if row["step_time_spread"] is not None else ""),
             f"{row['optimizer_steps_per_second']:.3f}" if row["optimizer_steps_per_second"] else "-",
-            f"{row['val_accuracy']:.4f}", _signed(row["accuracy_delta_points"]), _ratio(row["memory_ratio"]),
+            _accuracy(row["val_accuracy"]), _signed(row["accuracy_delta_points"]), _ratio(row["memory_ratio"]),
             _ratio(row["speed_ratio"])]) + " |")
     payload = result.to_dict()
     verdict = payload["accuracy_neutral_all_within"]
@@ -426,6 +427,10 @@ def markdown(result: BenchResult) -> str:
     if result.command:
         lines.append(f"Command: `{result.command}`")
     return "\n".join(lines) + "\n"
+
+
+def _accuracy(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _signed(value: float | None) -> str:

@@ -13,12 +13,13 @@ from rich.console import Console
 
 import memfit.step
 import memfit.windows
+from memfit.config import TrainConfig
 from memfit.engine import train
 from memfit.errors import ConfigError, TrainingError
 from memfit.memory.tracker import OUT_OF_MEMORY, StorageTracker
 from memfit.report import Summary
 from memfit.units import parse_bytes
-from tests.conftest import TINY_BERT, load_weights, tiny_config, write_model_dir
+from tests.conftest import TINY_BERT, load_weights, tiny_config, write_model_dir, write_pairs, write_tiny_llm
 
 QUIET = Console(file=io.StringIO())
 
@@ -183,3 +184,23 @@ def test_an_eval_oom_halves_only_the_eval_batch(wide_bert: Path, reviews_csv: Pa
     # the whole validation set was evaluated once, in halves: the same accuracy, the same loss up to summation
     assert summary.val_accuracy == clean.val_accuracy
     assert summary.val_loss == pytest.approx(clean.val_loss, rel=1e-6)
+
+
+def test_a_causal_lm_split_keeps_the_window_and_its_token_normalisation(tmp_path: Path) -> None:
+    """A causal LM's loss is normalised by the window's completion tokens: split into micro-batches after an
+    OOM, the window is the same samples and the same tokens, so the run learns what the unsplit one does."""
+    model, data = write_tiny_llm(tmp_path / "llm", chat=True), write_pairs(tmp_path / "chat.jsonl", count=64, chat=True)
+
+    def causal(out: str, **overrides: Any) -> Summary:
+        config = TrainConfig(model=str(model), data=str(data), max_length=32, effective_batch=16, epochs=1,
+                             precision="fp32", lr=1e-3, output_dir=str(tmp_path / out), device="cpu", **overrides)
+        return train(config, console=QUIET)
+
+    full = causal("full", micro_batch_size=16)
+    half = causal("half", micro_batch_size=8)
+    split = causal("split", micro_batch_size=16,
+                   emulate_budget=f"{(full.peak_memory_bytes + half.peak_memory_bytes) // 2}B")
+    assert [e["action"] for e in split.oom_recoveries] == ["retry", "split"]
+    assert (split.micro_batch_size, split.accumulation_steps) == (8, 2)
+    assert_params(load_weights(tmp_path / "split"), load_weights(tmp_path / "half"), exact=True)
+    assert_params(load_weights(tmp_path / "split"), load_weights(tmp_path / "full"), exact=False)
