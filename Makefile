@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/memfit train --output-dir runs/demo --overwrite
 
 # SmolLM2-135M-Instruct (packaged, converted once) fine-tuned on Rotten Tomatoes as instructions: the
-# zero-shot accuracy, then one epoch of full fine-tuning in bf16 (about 35 minutes on 2 CPU cores).
+# zero-shot accuracy, then one epoch of full fine-tuning in bf16 (about 30 minutes on 2 CPU cores).
 demo-llm: $(STAMP)
 	$(BIN)/memfit train --model smollm2-135m --data rotten-tomatoes-sft --eval-before --max-length 128 \
 		--effective-batch 32 --micro-batch-size 8 --precision bf16 --lr 1e-4 --output-dir runs/demo-llm --overwrite

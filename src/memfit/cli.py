@@ -565,7 +565,8 @@ def print_estimate(console: Console, result: Any) -> None:
     table.add_column("at the peak")
     table.add_column("bytes", justify="right")
     for name, value in result.breakdown.items():
-        table.add_row(name.replace("_", " "), format_bytes(value))
+        if value or name not in ("logits_and_loss", "workspaces"):  # those two only where the step has them
+            table.add_row(name.replace("_", " "), format_bytes(value))
     table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
     table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))
     table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))

@@ -206,15 +206,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
         with tracker, emulation or contextlib.nullcontext():
-            # the scaler's state is made at the first backward and lives on: counted from the start
-            scaler_bytes = sum(allocator.allocate(-1 - key, 4) if allocator is not None else 4
-                               for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
-            # cuBLAS workspaces: made by the first forward and backward, kept by the process (emulation.py)
-            workspaces = cublas_workspaces(
-                emulation.compute_capability, biased_linear=_has_biased_linear(model),
-                recompute=config.checkpointing != "none") if emulation is not None else []
-            workspace_bytes = sum(allocator.allocate(-100 - key, size) if allocator is not None else size
-                                  for key, size in enumerate(workspaces))
+            scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
                                           cpu_offload=config.cpu_offload)
@@ -436,6 +428,21 @@ def _config_only(spec: ModelSpec, image_size: int | None) -> ModelSpec:
     if image_size is not None and image_size != getattr(hf_config, "image_size", image_size):
         hf_config = hf_config.__class__.from_dict({**hf_config.to_dict(), "image_size": image_size})
     return dataclasses.replace(spec, hf_config=hf_config, weights_dir=None)
+
+
+def _persistent_bytes(model: torch.nn.Module, config: TrainConfig, precision: Precision,
+                      emulation: CudaEmulation | None, allocator: CachingAllocatorModel | None) -> tuple[int, int]:
+    """(GradScaler state, cuBLAS workspaces): made in the first step and kept, so counted from the start.
+
+    The scaler's four one-element tensors exist from the first backward (fp16); the workspaces from the first
+    forward and backward (CUDA targets, :func:`memfit.memory.emulation.cublas_workspaces`)."""
+    scaler_bytes = sum(allocator.allocate(-1 - key, 4) if allocator is not None else 4
+                       for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
+    workspaces = cublas_workspaces(emulation.compute_capability, biased_linear=_has_biased_linear(model),
+                                   recompute=config.checkpointing != "none") if emulation is not None else []
+    workspace_bytes = sum(allocator.allocate(-100 - key, size) if allocator is not None else size
+                          for key, size in enumerate(workspaces))
+    return scaler_bytes, workspace_bytes
 
 
 def _has_biased_linear(model: torch.nn.Module) -> bool:
