@@ -253,6 +253,13 @@ def weights_bytes(directory: Path) -> int:
     return sum((directory / name).stat().st_size for name in WEIGHT_FILES if (directory / name).is_file())
 
 
+def classification_only(prepared: Prepared, source: str, command: str) -> Prepared:
+    if prepared.task != "classification":
+        raise ConfigError(f"memfit {command} works on classification models, and {source} is a causal LM; "
+                          "evaluate a causal-LM run with its own summary.json (val_accuracy, val_perplexity)")
+    return prepared
+
+
 def run_quantize(source: str, *, method: str = "int8-dynamic", backend: str = "auto", data: str | None = None,
                  output_dir: str | None = None, columns: dict[str, str] | None = None) -> dict[str, Any]:
     """Quantize, save, and compare with fp32 on the validation split; returns (and writes) the report.
@@ -263,7 +270,7 @@ def run_quantize(source: str, *, method: str = "int8-dynamic", backend: str = "a
         raise ConfigError(f"--method {method!r} is not one of: {', '.join(METHODS)}")
     chosen = resolve_backend(backend, method)
     model_dir, config = source_config(source, data=data, columns=columns)
-    prepared = prepare(config)
+    prepared = classification_only(prepare(config), source, "quantize")
     fp32 = load_fp32(prepared)
     out = Path(output_dir) if output_dir else model_dir.parent / f"{model_dir.name}-{method}"
     encoder, count = prepared.encoder(prepared.val_examples), len(prepared.val_examples)  # tokenised once
@@ -306,7 +313,7 @@ def run_eval(source: str, *, data: str | None = None, columns: dict[str, str] | 
         model = load_quantized(path)
     else:
         _, config = source_config(source, data=data, columns=columns)
-        prepared = prepare(config)
+        prepared = classification_only(prepare(config), source, "eval")
         model = load_fp32(prepared)
     evaluation = evaluate_logits(model, prepared.encoder(prepared.val_examples), len(prepared.val_examples))
     return {"model": str(path), "val_accuracy": evaluation.accuracy, "val_samples": len(prepared.val_examples)}

@@ -35,6 +35,8 @@ def test_a_chat_run_reports_accuracy_before_and_after_and_saves_a_causal_lm(tmp_
                        "--max-new-tokens", "2")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.strip() and not generated.stderr.strip()
+    refused = memfit("quantize", str(out))  # int8 export is for classification models: said in one line
+    assert refused.returncode == 2 and "is a causal LM" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_the_estimate_is_the_peak_of_a_causal_run(tmp_path: Path) -> None:
