@@ -135,9 +135,9 @@ def evaluate(windows: LocalWindows, num_examples: int, batch_size: int) -> dict[
     for host_batch in batches:
         items += item_count(host_batch)
         batch = to_device(host_batch, windows.device)
+        token_level = batch["labels"].dim() == 2
         with windows.precision.autocast():
-            loss, logits = loss_sum(model, batch)
-        token_level = logits.dim() == 3
+            loss, logits = token_loss_sum(model, batch) if token_level else loss_sum(model, batch)
         if not token_level:
             correct += (logits.argmax(dim=-1) == batch["labels"]).sum()  # a masked label (-100) never matches
         total_loss += loss
@@ -148,6 +148,16 @@ def evaluate(windows: LocalWindows, num_examples: int, batch_size: int) -> dict[
     accuracy = choice_accuracy(windows, num_examples, batch_size) if getattr(windows.encoder, "targets", None) \
         else None
     return {"accuracy": accuracy, "loss": mean, "perplexity": math.exp(min(mean, 700.0))}
+
+
+def token_loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`memfit.step.loss_sum` of a causal LM without gradients: the fp32 copy and the log-softmax only
+    for the labelled (completion) positions, not for every position of the batch, which with a large
+    vocabulary would make the evaluation, not training, the run's peak."""
+    logits = model(**{name: tensor for name, tensor in batch.items() if name != "labels"}).logits  # (B, S, V)
+    labels = batch["labels"]
+    scored = labels != IGNORE_INDEX
+    return F.cross_entropy(logits[scored].float(), labels[scored], reduction="sum"), logits
 
 
 @torch.no_grad()
@@ -164,6 +174,7 @@ def choice_accuracy(windows: LocalWindows, num_examples: int, batch_size: int) -
         labels = batch["labels"]  # (E * C, S)
         scored = labels != IGNORE_INDEX
         token_loss = F.cross_entropy(logits[scored].float(), labels[scored], reduction="none")  # (T,)
+        del logits
         rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)[scored]
         log_prob = -torch.zeros(labels.shape[0], device=labels.device).index_add(0, rows, token_loss)  # (E * C,)
         predicted = log_prob.view(targets.shape[0], candidates).argmax(dim=-1)
