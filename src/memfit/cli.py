@@ -101,6 +101,9 @@ def _memory_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> N
     memory.add_argument("--checkpoint-every", type=int, help=f"N of every-n [{defaults.checkpoint_every}]")
     _bool_flag(memory, "freeze-embeddings", "freeze the embedding block")
     memory.add_argument("--train-top-layers", type=int, help="train only the top K layers plus the head")
+    memory.add_argument("--loss-chunk", type=int, metavar="N", help="causal LM: the loss over chunks of N token "
+                                                                   "positions, its fp32 logits recomputed in "
+                                                                   "backward [off]")
 
 
 def _optimizer_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:

@@ -97,6 +97,9 @@ class TrainConfig:
     """Freeze the embedding block: no gradients or optimizer state for it."""
     train_top_layers: int | None = None
     """Train only the top K transformer layers plus the head; everything below is frozen."""
+    loss_chunk: int | None = None
+    """Causal LM: the loss over chunks of N token positions, each chunk's fp32 logits and log-softmax
+    recomputed in backward instead of kept (:mod:`memfit.techniques.chunked_loss`)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm (after unscaling under fp16). ``None`` disables clipping."""
     max_nonfinite_steps: int = 5
@@ -192,7 +195,7 @@ class TrainConfig:
                          "the other replaces it")
         if self.resume == "latest" and self.output_dir is None:
             problems.add("--resume needs --output-dir: the directory of the run to continue")
-        for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every"):
+        for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every", "loss_chunk"):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(problems, name, value)

@@ -186,7 +186,7 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
                            cannot_recover=distributed.CANNOT_RECOVER if world.distributed else None)
     stop = checkpoints.StopSignals()  # SIGTERM/SIGINT: finish the micro-step, save, exit
     runner = {"precision": prepared.precision, "scaler": scaler, "device": device, "phases": monitor,
-              "stop_requested": stop.requested}
+              "stop_requested": stop.requested, "loss_chunk": config.loss_chunk}
     run = Run(prepared=prepared, plan=plan, world=world, output_dir=output_dir, device=device, model=model,
               architecture=architecture, trained=[(n, p) for n, p in inner.named_parameters() if p.requires_grad],
               optimizer=optimizer, scheduler=build_scheduler(optimizer, total_steps=total_steps,

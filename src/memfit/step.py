@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.batches import Batch
+from memfit.techniques.chunked_loss import chunked_loss_sum
 from memfit.techniques.optim import advance_schedule
 from memfit.techniques.precision import Precision
 from memfit.techniques.stability import StepCheck, guarded_step, read_values
@@ -39,10 +40,12 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     """(summed cross-entropy in fp32, logits) of one micro-batch."""
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
     logits = model(**inputs).logits  # (B, C), or (B, S, C) for token-level heads
-    labels = batch["labels"]
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    return loss_sum_of(logits, batch["labels"]), logits
+
+
+def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            reduction="sum", ignore_index=IGNORE_INDEX)
-    return loss, logits
 
 
 class PhaseTracker(Protocol):
@@ -59,7 +62,7 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
                       scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
                       loss_so_far: torch.Tensor | None = None, should_stop: Callable[[], bool] | None = None,
                       sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None,
-                      ) -> tuple[torch.Tensor, int]:
+                      loss_chunk: int | None = None) -> tuple[torch.Tensor, int]:
     """Forward and backward over one window's micro-batches, accumulating gradients in ``.grad``.
 
     ``window_items`` is the window's labelled-item count (:func:`item_count`, summed on the host). Returns the
@@ -70,7 +73,8 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
 
     ``sync(last)`` wraps each micro-step of a distributed run: gradients are reduced over the ranks only in
     the window's last backward. There ``window_items`` is the window's items over the ranks divided by their
-    number (DDP and FSDP average the ranks' gradients).
+    number (DDP and FSDP average the ranks' gradients). ``loss_chunk``: a causal LM's loss over chunks of
+    token positions (:mod:`memfit.techniques.chunked_loss`).
     """
     window_loss = torch.zeros((), device=device) if loss_so_far is None else loss_so_far.to(device)
     done = 0
@@ -79,7 +83,8 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
         phases.track(*batch.values(), category="inputs")
         with sync(index == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
             with phases.phase("forward"), precision.autocast():
-                loss, _ = loss_sum(model, batch)
+                loss, _ = loss_sum(model, batch) if loss_chunk is None else chunked_loss_sum(model, batch,
+                                                                                              chunk=loss_chunk)
                 loss = loss / window_items  # normalised over the whole window, not per micro-batch
             with phases.phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()

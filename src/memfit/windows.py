@@ -52,9 +52,10 @@ class LocalWindows:
 
     def __init__(self, model: nn.Module, encoder: Encoder, *, precision: Precision,
                  scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
-                 stop_requested: Callable[[], bool]) -> None:
+                 stop_requested: Callable[[], bool], loss_chunk: int | None = None) -> None:
         self.model, self.encoder, self.precision, self.scaler = model, encoder, precision, scaler
         self.device, self.phases, self.stop_requested = device, phases, stop_requested
+        self.loss_chunk = loss_chunk
 
     def run(self, window: list[int], size: int, partial: PartialWindow | None) -> WindowResult:
         """Forward + backward of each micro-batch of ``size``; gradients accumulate in ``.grad``."""
@@ -64,7 +65,7 @@ class LocalWindows:
         loss, done = accumulate_window(self.model, micro_batches[start:], window_items, precision=self.precision,
                                        scaler=self.scaler, device=self.device, phases=self.phases,
                                        loss_so_far=partial.loss if partial is not None else None,
-                                       should_stop=self.stop_requested)
+                                       should_stop=self.stop_requested, loss_chunk=self.loss_chunk)
         return WindowResult(loss, window_items, start + done, len(micro_batches))
 
     def stop_agreed(self, requested: bool) -> bool:
@@ -101,7 +102,8 @@ class RankWindows(LocalWindows):
         loss, done = accumulate_window(self.model, micro_batches, items / self.world.world_size,
                                        precision=self.precision, scaler=self.scaler, device=self.device,
                                        phases=self.phases, sync=functools.partial(distributed.gradient_sync,
-                                                                                  self.model))
+                                                                                  self.model),
+                                       loss_chunk=self.loss_chunk)
         return WindowResult(distributed.mean_over_ranks(loss), items, done, len(micro_batches))
 
     def stop_agreed(self, requested: bool) -> bool:

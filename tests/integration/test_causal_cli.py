@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import transformers
 
 from memfit import TrainConfig
@@ -39,7 +40,8 @@ def test_a_chat_run_reports_accuracy_before_and_after_and_saves_a_causal_lm(tmp_
     assert refused.returncode == 2 and "is a causal LM" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_the_estimate_is_the_peak_of_a_causal_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loss_chunk", [None, 8])
+def test_the_estimate_is_the_peak_of_a_causal_run(tmp_path: Path, loss_chunk: int | None) -> None:
     """Texts that all fill --max-length (prompts cut from the left): no micro-batch is padded."""
     model = write_tiny_llm(tmp_path / "llm", chat=False)
     data = tmp_path / "long.jsonl"
@@ -47,7 +49,8 @@ def test_the_estimate_is_the_peak_of_a_causal_run(tmp_path: Path) -> None:
     data.write_text("".join(json.dumps({"prompt": " ".join(rng.choices(FILLER, k=30)), "completion": " yes"})
                             + "\n" for _ in range(24)))
     config = TrainConfig(model=str(model), data=str(data), max_length=16, effective_batch=8, micro_batch_size=4,
-                         precision="bf16", max_steps=2, output_dir=str(tmp_path / "run"), device="cpu")
+                         precision="bf16", max_steps=2, output_dir=str(tmp_path / "run"), device="cpu",
+                         loss_chunk=loss_chunk)
     result = memfit("train", "--config", str(_write_config(tmp_path, config)), "--json")
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout)["peak_memory_by_phase"]

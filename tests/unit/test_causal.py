@@ -155,3 +155,33 @@ def test_llm_presets_have_their_published_sizes() -> None:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(LLM_PRESET_CONFIGS[name]())
         assert round(sum(p.numel() for p in model.parameters()) / 1e9, 3) == billions, name
+
+
+def test_a_chunked_loss_is_the_same_loss_and_gradients_in_less_memory(tmp_path: Path) -> None:
+    from memfit.step import loss_sum
+    from memfit.techniques.chunked_loss import chunked_loss_sum
+
+    hf_config = {**FAMILIES["llama"], "vocab_size": 4096}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{
+        key: value for key, value in hf_config.items() if key not in ("model_type", "architectures")}))
+    labels = torch.randint(0, 4096, (2, 24))
+    labels[:, :10] = -100  # a prompt
+    batch = {"input_ids": torch.randint(0, 4096, (2, 24)), "labels": labels}
+    grads = []
+    for loss_fn in (loss_sum, lambda m, b: chunked_loss_sum(m, b, chunk=7)):
+        model.zero_grad()
+        loss, _ = loss_fn(model, batch)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for plain, chunked in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(plain, chunked, rtol=1e-4, atol=1e-6)
+    directory = write_model_dir(tmp_path / "llama", hf_config)
+    plain_config = TrainConfig(model=str(directory), task="causal-lm", effective_batch=4, max_length=64,
+                               precision="bf16")
+    chunked_config = TrainConfig(**{**plain_config.to_dict(), "loss_chunk": 64})
+    plain_peak, chunked = estimate(plain_config), estimate(chunked_config)
+    assert chunked.peak_bytes == estimate(chunked_config, execute=True).peak_bytes
+    assert chunked.breakdown["logits_and_loss"] < plain_peak.breakdown["logits_and_loss"] / 2
+    assert chunked.peak_bytes < plain_peak.peak_bytes

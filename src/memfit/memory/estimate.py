@@ -281,7 +281,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
             distributed.any_rank(False, device)
         window_loss, _ = accumulate_window(model, micro_batches, items,
                                            precision=precision, scaler=scaler, device=device, phases=phases,
-                                           sync=sync)
+                                           sync=sync, loss_chunk=config.loss_chunk)
         del micro_batches  # the engine's window runner drops its batches before the optimizer step
         if world_size > 1:
             window_loss = distributed.mean_over_ranks(window_loss)
