@@ -14,7 +14,8 @@ from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
 from tests.helpers import memfit
 
-pytestmark = pytest.mark.xdist_group("bench")  # its tests share one module-scoped run
+pytestmark = pytest.mark.xdist_group("bench")  # its tests share one run (session-scoped: never rebuilt when
+# another module's tests run between them on the same worker)
 
 REQUIRED = {"setup", "accuracy_neutral", "micro_batch_size", "accumulation_steps", "peak_memory_bytes",
             "predicted_peak_bytes", "samples_per_second", "optimizer_steps_per_second", "val_accuracy",
@@ -29,7 +30,7 @@ def fp32_peak(model: Path, micro: int) -> int:
     return estimate(config, device="cpu").total_bytes
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, int]:
     root = tmp_path_factory.mktemp("bench")
     model, data = write_long_text_task(root)

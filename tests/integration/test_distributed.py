@@ -47,17 +47,17 @@ def torchrun(args: list[str], *, interrupt: str = "") -> subprocess.CompletedPro
                            *target, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("distributed")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def task(work: Path) -> tuple[Path, Path]:
     return write_long_text_task(work / "task")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(task: tuple[Path, Path], work: Path) -> Path:
     """The reference: one process, no distributed strategy, the same global batch."""
     out = work / "single"
@@ -102,7 +102,7 @@ def test_ddp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path]
     assert summary["per_rank_training_peak_bytes"] == [per_rank_estimate(task, "ddp")] * 2
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fsdp_run(task: tuple[Path, Path], work: Path) -> tuple[Path, dict[str, Any]]:
     """An uninterrupted FSDP run on two ranks, saving every 2 steps: (its directory, its summary)."""
     out = work / "fsdp"

@@ -18,7 +18,7 @@ CHOSEN_KEYS = {"micro_batch_size", "accumulation_steps", "precision", "checkpoin
 TRAINING_PHASES = ("forward", "backward", "optimizer")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_long_text_task(tmp_path_factory.mktemp("plan-task"))
 

@@ -82,7 +82,7 @@ class References:
         return self.runs[key]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> References:
     return References(tmp_path_factory.mktemp("references"))
 
@@ -113,7 +113,7 @@ def assert_same_samples(first: Path, second: Path, ref: Path, resumed_step: int)
     assert killed[resumed_step:] == uninterrupted[resumed_step:len(killed)]  # in-flight work, redone
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {"plain": write_model_dir(root / "bert", TINY_BERT),

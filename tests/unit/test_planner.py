@@ -29,12 +29,12 @@ PASCAL = DeviceProfile(name="pascal", description="test Pascal card", memory_byt
 BUDGETS = range(1_000_000, 4_000_001, 250_000)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("planner") / "activation-bert", ACTIVATION_BERT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def traces() -> dict[Any, Estimate]:
     return {}
 
