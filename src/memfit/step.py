@@ -40,12 +40,10 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     """(summed cross-entropy in fp32, logits) of one micro-batch."""
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
     logits = model(**inputs).logits  # (B, C), or (B, S, C) for token-level heads
-    return loss_sum_of(logits, batch["labels"]), logits
-
-
-def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            reduction="sum", ignore_index=IGNORE_INDEX)
+    return loss, logits
 
 
 class PhaseTracker(Protocol):
