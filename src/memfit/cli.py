@@ -179,6 +179,10 @@ def _device_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, f
         where.add_argument("--seq-len", type=int, help="sequence length to estimate [--max-length]")
         where.add_argument("--image-size", type=int, help="image size to estimate [the model's]")
         where.add_argument("--steps", type=int, default=2, help="optimizer steps to trace [2]")
+        where.add_argument("--full-length", action="store_true",
+                           help="every text fills --seq-len (long texts truncated, packed sequences): no micro-batch "
+                                "is padded, and an unpadded step keeps less (no attention mask; grouped-query K/V "
+                                "not repeated) [off: the worst case, a padded batch]")
     else:
         where.add_argument("--device", help=f"{', '.join(DEVICES)}, or a GPU profile (1080ti, t4, ...): train on "
                                             f"CUDA, planned for that card [{defaults.device}]")
@@ -349,7 +353,7 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
 
 
 NO_CLIP = "none"
-NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps", "quantize")
+NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps", "quantize", "full_length")
 
 
 def _optional_float(text: str) -> float | str:
@@ -432,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from memfit.memory.estimate import estimate
 
             result = estimate(config_from_args(args), device=args.profile, seq_len=args.seq_len,
-                              image_size=args.image_size, steps=args.steps)
+                              image_size=args.image_size, steps=args.steps, padded=not args.full_length)
             if args.json:
                 print(json.dumps(result.to_dict()))
             else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from memfit import TrainConfig
 from memfit.memory.estimate import estimate
-from tests.conftest import TINY_BERT, write_model_dir
+from tests.conftest import TINY_BERT, write_model_dir, write_tiny_llm
 from tests.helpers import memfit
 
 JSON_KEYS = {"peak_bytes", "peak_reserved_bytes", "non_pytorch_bytes", "breakdown", "phases", "device", "fits",
@@ -88,3 +88,14 @@ def test_the_validation_harness_measures_what_the_estimate_predicts(tmp_path: Pa
         assert row["measured_allocated_bytes"] == row["predicted_allocated_bytes"] > 0
         assert row["allocated_error_percent"] == 0.0
     assert "unmeasured" in harness.markdown([harness.row(cases[0], harness.resolve_profile("t4"), None)])
+
+
+def test_full_length_texts_estimate_the_unpadded_step(tmp_path: Path) -> None:
+    """A grouped-query decoder keeps less without padding (no mask, K/V not repeated per head)."""
+    model = write_tiny_llm(tmp_path / "llm")
+    args = ["estimate", "--model", str(model), "--batch-size", "4", "--seq-len", "64", "--precision", "bf16", "--json"]
+    padded, unpadded = (json.loads(memfit(*args, *extra).stdout) for extra in ([], ["--full-length"]))
+    assert unpadded["peak_bytes"] < padded["peak_bytes"]
+    config = TrainConfig(model=str(model), micro_batch_size=4, effective_batch=4, max_length=64, precision="bf16")
+    assert unpadded["peak_bytes"] == estimate(config, padded=False).peak_bytes
+    assert padded["peak_bytes"] == estimate(config).peak_bytes
