@@ -116,8 +116,8 @@ def causal_encoders(config: TrainConfig, tokenizer: Any, train: datasets.CausalE
                         "chat template; use an instruct model's tokenizer, or write prompt/completion pairs")
     encoders = []
     for name, examples in (("training", train), ("validation", val)):
-        try:
-            encoders.append(CausalEncoder.build(examples, tokenizer, config.max_length))
+        try:  # only the validation examples score candidate completions
+            encoders.append(CausalEncoder.build(examples, tokenizer, config.max_length, choices=examples is val))
         except DataError as error:
             raise DataError(f"--data {config.data}: {name} {error.problems[0]}") from None
     return encoders[0], encoders[1]

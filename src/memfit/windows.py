@@ -93,8 +93,9 @@ class RankWindows(LocalWindows):
 
     def run(self, window: list[int], size: int, partial: PartialWindow | None) -> WindowResult:
         """This rank's share of the window, gradients reduced in its last backward; the loss is averaged over
-        the ranks. One labelled item per sample (sequence- and image-level heads), so the window's item count
-        over all ranks is its length, known to every rank without a collective."""
+        the ranks. Sequence- and image-level heads have one labelled item per sample, so the window's item
+        count over all ranks is its length, known to every rank without a collective; token-level labels (a
+        causal LM's completion tokens) are counted on each rank and summed over the ranks (one all-reduce)."""
         micro_batches = rank_batches(self.encoder, window, size, self.world)
         items = len(window)
         if micro_batches and micro_batches[0]["labels"].dim() == 2:  # token-level: the ranks' counts, summed

@@ -21,6 +21,7 @@ def test_smollm2_is_a_pretrained_llama_that_answers(tmp_path: Path) -> None:
                                    train_samples=8, val_samples=8, device="cpu"))
     assert prepared.task == "causal-lm" and prepared.label_names == ["rotten", "fresh"]
     assert prepared.causal_encoders is not None
-    train_encoder = prepared.causal_encoders[0]
+    train_encoder, val_encoder = prepared.causal_encoders
+    assert not train_encoder.candidates and len(val_encoder.candidates[0]) == 2  # only validation scores them
     text = prepared.tokenizer.decode(train_encoder.sequences[0])
     assert text.startswith("<|im_start|>") and "Is this movie review fresh" in text and "<|im_start|>assistant" in text

@@ -111,8 +111,10 @@ def test_labels_are_the_completion_tokens_shifted_and_the_prompt_is_cut_from_the
     row, labels = batch["input_ids"][0], batch["labels"][0]
     assert row.shape[0] <= 8 and row[-len(completion):].tolist() == completion  # the completion is whole
     kept = labels[labels != -100].tolist()
-    assert kept == completion and labels[-1] == -100  # position t is labelled with token t + 1
-    assert row[row.shape[0] - len(completion) - 1:-1].shape[0] == len(completion)
+    assert kept == completion and labels[-1] == -100
+    scored = (labels != -100).nonzero().flatten()
+    assert torch.equal(labels[scored], row[scored + 1])  # position t is labelled with token t + 1
+    assert scored.tolist() == list(range(row.shape[0] - len(completion) - 1, row.shape[0] - 1))
 
 
 def test_a_batch_without_padding_carries_no_mask() -> None:

@@ -173,7 +173,9 @@ class CausalEncoder:
     """Per example, the index of its own completion among the candidates (empty without a closed set)."""
 
     @classmethod
-    def build(cls, examples: CausalExamples, tokenizer: Any, max_length: int) -> CausalEncoder:
+    def build(cls, examples: CausalExamples, tokenizer: Any, max_length: int, *,
+              choices: bool = True) -> CausalEncoder:
+        """``choices=False``: no candidates (training batches never score them)."""
         templated = examples.chat or (examples.templated and bool(getattr(tokenizer, "chat_template", None)))
         sequences, prompt_lengths, candidates = [], [], []
         for index in range(len(examples)):
@@ -185,13 +187,13 @@ class CausalEncoder:
             sequence = fit_pair(prompt, completion, max_length)
             sequences.append(sequence)
             prompt_lengths.append(len(sequence) - len(completion))
-            if examples.label_names:
+            if choices and examples.label_names:
                 options = [tokenize_pair(tokenizer, *render(examples, index, tokenizer, name), templated=templated)
                            for name in examples.label_names]
                 candidates.append([(fit_pair(p, c, max_length), len(c)) for p, c in options])
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         return cls(sequences=sequences, prompt_lengths=prompt_lengths, pad_token_id=pad, candidates=candidates,
-                   targets=list(examples.labels))
+                   targets=list(examples.labels) if candidates else [])
 
     def __call__(self, indices: Sequence[int]) -> Batch:
         rows = [self.sequences[i] for i in indices]

@@ -393,9 +393,8 @@ def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bo
     ``causal``: token labels, shifted as the causal-LM encoder shifts them, on every position but the last
     (the worst case: a one-token prompt, the rest completion).
     """
-    labels = torch.zeros(batch_size, dtype=torch.long)  # (B,)
+    labels = torch.zeros((batch_size, length) if causal else (batch_size,), dtype=torch.long)  # (B, S) or (B,)
     if causal:
-        labels = torch.zeros(batch_size, length, dtype=torch.long)  # (B, S)
         labels[:, -1] = -100
     if spec.modality == "vision":
         channels, size = int(spec.hf_config.num_channels), int(spec.hf_config.image_size)
