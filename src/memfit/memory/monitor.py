@@ -84,6 +84,9 @@ class Monitor:
         if self.tracker is not None:
             self.tracker.__enter__()
         else:
+            # cached segments of earlier work would count as this run's reserved memory, and a cap set below
+            # them would never be checked (the allocator checks it only when it asks CUDA for a new segment)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             if self.budget_bytes is not None:
                 total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
