@@ -25,8 +25,10 @@ from memfit.errors import ConfigError, DataError, Problems
 from memfit.models import ModelSpec, build_model, check_compatible, is_decoder_llm, load_tokenizer, resolve_model
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
+from memfit.techniques.lora import apply_lora
 from memfit.techniques.optim import build_optimizer, optimizer_problems, step_kernels
 from memfit.techniques.precision import Precision, resolve_precision
+from memfit.techniques.quantized_base import quantize_base
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +74,7 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
         precision_name, precision_problems = resolve_precision(config.precision, device,
                                                                force_cpu_fp16=config.force_cpu_fp16)
         problems.lines.extend(precision_problems)
-    problems.lines.extend(optimizer_problems(config.optimizer))
+    problems.lines.extend(optimizer_problems(config.optimizer, device.kind if device is not None else None))
     spec = problems.collect(lambda: resolve_model(config.model, log=log))
     task = resolve_task(config, spec)
     data_problems = Problems()
@@ -146,22 +148,47 @@ def _head_problems(config: TrainConfig, spec: ModelSpec, examples: datasets.Exam
     return problems
 
 
-def build_model_for(prepared: Prepared) -> transformers.PreTrainedModel:
+def build_model_for(prepared: Prepared) -> nn.Module:
     """The model of a prepared run, with its techniques applied."""
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
     return build_with_techniques(prepared.spec, prepared.config, label_names=prepared.label_names,
-                                 pad_token_id=pad, task=prepared.task)
+                                 pad_token_id=pad, task=prepared.task, low_dtype=prepared.precision.low_dtype)
+
+
+def build_base_for(prepared: Prepared) -> transformers.PreTrainedModel:
+    """The model of a prepared run as built before any technique (the same seed: the same random init)."""
+    pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
+    return build_base(prepared.spec, seed=prepared.config.seed, label_names=prepared.label_names, pad_token_id=pad,
+                      task=prepared.task)
+
+
+def build_base(spec: ModelSpec, *, seed: int, label_names: list[str], pad_token_id: int | None,
+               task: str) -> transformers.PreTrainedModel:
+    """The model, seeded, its embeddings tied where the config says so (a no-op where already tied: a
+    fake-tensor trace skips init_weights, which is where transformers ties them)."""
+    torch.manual_seed(seed)
+    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id, task=task)
+    model.tie_weights()
+    return model
 
 
 def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: list[str],
-                          pad_token_id: int | None, task: str = "classification") -> transformers.PreTrainedModel:
-    """Build the model and apply the techniques in order: freeze -> checkpointing (precision is a context)."""
-    torch.manual_seed(config.seed)
-    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id, task=task)
+                          pad_token_id: int | None, task: str = "classification",
+                          low_dtype: torch.dtype | None = None) -> nn.Module:
+    """Build the model and apply the techniques in order: quantise the base -> freeze -> checkpointing ->
+    LoRA (precision is a context). ``low_dtype``: the run's 16-bit dtype (``None`` under fp32), the compute
+    dtype of quantised layers and the storage of LoRA's frozen weights."""
+    model: nn.Module = build_base(spec, seed=config.seed, label_names=label_names, pad_token_id=pad_token_id,
+                                  task=task)
+    quantize_base(model, config.quantize_base, low_dtype or torch.float32)
     apply_freezing(model, freeze_embeddings=config.freeze_embeddings, train_top_layers=config.train_top_layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         apply_checkpointing(model, mode=config.checkpointing, every=config.checkpoint_every)
+    if config.lora_rank:
+        targets = tuple(name.strip() for name in (config.lora_targets or "").split(",") if name.strip())
+        model = apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                           targets=targets, train_top_layers=config.train_top_layers, frozen_dtype=low_dtype)
     return model
 
 

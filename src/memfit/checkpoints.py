@@ -5,7 +5,8 @@
 A checkpoint is a directory ``<output>/checkpoints/step-00000012`` (``...-micro-3`` when a signal stopped the
 run inside an accumulation window) holding:
 
-- ``model.safetensors``: every weight of the model;
+- ``model.safetensors``: every weight of the model (of a LoRA run: the trained parameters only, the adapters
+  and a classification head; the frozen base is rebuilt from its source, bit for bit, on resume);
 - ``grads.safetensors``: the gradients accumulated so far, only in a mid-window checkpoint;
 - ``state.pt``: optimizer, scheduler and GradScaler state, the random states (python, numpy, torch, cuda),
   the epoch's sample order and the window's partial loss. Plain tensors and containers: it loads with
@@ -52,6 +53,7 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 
 from memfit.errors import CheckpointError
+from memfit.techniques.lora import is_lora
 
 DIRECTORY = "checkpoints"
 WEIGHTS = "model.safetensors"
@@ -80,6 +82,8 @@ class Checkpoint:
     grads: dict[str, torch.Tensor]
     world_size: int = 1
     """Ranks of the run that wrote it."""
+    trainable_only: bool = False
+    """``weights`` holds only the trained parameters (a LoRA run: the frozen base is rebuilt from its source)."""
 
     @property
     def sharded(self) -> bool:
@@ -108,9 +112,12 @@ class Checkpoint:
         """
         missing, unexpected = model.load_state_dict(self.weights, strict=False)
         assert not unexpected, unexpected
-        tensors = model.state_dict()
-        loaded = {tensors[name].untyped_storage().data_ptr() for name in self.weights}
-        lost = [name for name in missing if tensors[name].untyped_storage().data_ptr() not in loaded]
+        if self.trainable_only:
+            lost = [name for name, p in model.named_parameters() if p.requires_grad and name not in self.weights]
+        else:
+            tensors = model.state_dict()
+            loaded = {tensors[name].untyped_storage().data_ptr() for name in self.weights}
+            lost = [name for name in missing if tensors[name].untyped_storage().data_ptr() not in loaded]
         if lost:
             raise CheckpointError(f"{self.path / WEIGHTS}: has no values for {', '.join(lost[:3])}; delete "
                                   f"{self.path} and resume from an earlier checkpoint")
@@ -181,12 +188,17 @@ def save(output_dir: Path, *, model: torch.nn.Module, state: dict[str, Any], pro
     temporary = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
-    save_model(model, str(temporary / WEIGHTS))
+    trainable_only = is_lora(model)  # the frozen base is rebuilt from its source on resume
+    if trainable_only:
+        save_file({name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad},
+                  str(temporary / WEIGHTS))
+    else:
+        save_model(model, str(temporary / WEIGHTS))
     if grads:
         save_file({key: value.contiguous() for key, value in grads.items()}, str(temporary / GRADS))
     torch.save(state, temporary / STATE)
     payload = {"format": FORMAT, "progress": progress, "config": config,
-               "architecture": architecture(model)}
+               "architecture": architecture(model), "weights": "trainable" if trainable_only else "all"}
     (temporary / PROGRESS).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     _complete(temporary, final)
     _prune(root, keep_last=keep_last, keep=final)
@@ -324,7 +336,8 @@ def load(path: Path) -> Checkpoint:
                       architecture=payload["architecture"], state=state,
                       weights={} if sharded else load_file(str(path / WEIGHTS)),
                       grads=load_file(str(path / GRADS)) if (path / GRADS).is_file() else {},
-                      world_size=int(payload.get("world_size", 1)))
+                      world_size=int(payload.get("world_size", 1)),
+                      trainable_only=payload.get("weights") == "trainable")
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from memfit.config import (
     DISTRIBUTED,
     OPTIMIZERS,
     PRECISIONS,
+    QUANTIZE_BASE,
     TASKS,
     TrainConfig,
     from_mapping,
@@ -43,7 +44,7 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
     """Every ``train`` option, grouped by technique as in the README; defaults live in :class:`TrainConfig`."""
     defaults = TrainConfig()
     for add_group in (_model_and_data_options, _batch_options, _precision_options, _memory_options,
-                      _optimizer_options, _schedule_options):
+                      _adapter_options, _optimizer_options, _schedule_options):
         add_group(parser, defaults)
     if not for_estimate:
         _planning_and_reliability_options(parser, defaults)
@@ -104,6 +105,21 @@ def _memory_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> N
     memory.add_argument("--loss-chunk", type=int, metavar="N", help="causal LM: the loss over chunks of N token "
                                                                    "positions, its fp32 logits recomputed in "
                                                                    "backward [off]")
+
+
+def _adapter_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """LoRA adapters and quantised base weights (QLoRA)."""
+    lora = parser.add_argument_group("LoRA and QLoRA (train adapters; the base frozen, 16-bit or quantised)")
+    lora.add_argument("--lora-rank", type=int, metavar="R", help="LoRA adapters of rank R on the blocks' Linear "
+                                                                "layers [0: off]")
+    lora.add_argument("--lora-alpha", type=float, help="scaling numerator (update x alpha/rank) [2 x rank]")
+    lora.add_argument("--lora-dropout", type=float, help=f"dropout on the adapters' input [{defaults.lora_dropout}]")
+    lora.add_argument("--lora-targets", metavar="NAMES", help="comma-separated Linear names (q_proj,v_proj) "
+                                                             "[every Linear of the blocks]")
+    lora.add_argument("--quantize-base", choices=QUANTIZE_BASE, help="the blocks' frozen Linear weights in "
+                                                                     "4-bit NF4 or 8 bits (bitsandbytes) "
+                                                                     f"[{defaults.quantize_base}]")
+    _bool_flag(lora, "merge", "also save the base model with the adapters merged in [off]")
 
 
 def _optimizer_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
@@ -572,7 +588,8 @@ def print_estimate(console: Console, result: Any) -> None:
     table.add_column("at the peak")
     table.add_column("bytes", justify="right")
     for name, value in result.breakdown.items():
-        if value or name not in ("logits_and_loss", "workspaces"):  # those two only where the step has them
+        if value or name not in ("frozen_parameters", "quantized_weights", "logits_and_loss", "workspaces"):
+            # those only where the step has them
             table.add_row(name.replace("_", " "), format_bytes(value))
     table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
     table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))

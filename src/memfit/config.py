@@ -10,6 +10,7 @@ training starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 CHECKPOINTING = ("none", "full", "every-n")
-OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
+OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged-adamw8bit")
+QUANTIZE_BASE = ("none", "nf4", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED = ("none", "ddp", "fsdp", "auto")
 TASKS = ("auto", "classification", "causal-lm")
@@ -100,12 +102,27 @@ class TrainConfig:
     loss_chunk: int | None = None
     """Causal LM: the loss over chunks of N token positions, each chunk's fp32 logits and log-softmax
     recomputed in backward instead of kept (:mod:`memfit.techniques.chunked_loss`)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on the blocks' Linear layers, the base frozen (:mod:`memfit.techniques.lora`);
+    0 trains the weights themselves."""
+    lora_alpha: float | None = None
+    """LoRA's scaling numerator (the update is scaled by alpha / rank). ``None``: twice the rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (costs one mask and one copy of each adapted layer's input)."""
+    lora_targets: str | None = None
+    """Comma-separated last names of the Linear layers that get adapters (``q_proj,v_proj``); ``None``: every
+    Linear of the transformer blocks."""
+    quantize_base: str = "none"
+    """``none | nf4 | int8``: the blocks' frozen Linear weights in bitsandbytes' 4-bit NF4 or 8 bits, LoRA on top
+    (QLoRA; :mod:`memfit.techniques.quantized_base`)."""
+    merge: bool = False
+    """LoRA: also save the base model with the adapters merged in (``model/merged``)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm (after unscaling under fp16). ``None`` disables clipping."""
     max_nonfinite_steps: int = 5
     """Stop the run after this many consecutive optimizer steps with a non-finite loss or gradient."""
     optimizer: str = "adamw"
-    """``adamw | sgd | adamw8bit`` (the last needs bitsandbytes)."""
+    """``adamw | sgd | adamw8bit | paged-adamw8bit`` (the last two need bitsandbytes; paged needs CUDA)."""
     foreach: bool | None = None
     """Multi-tensor (foreach) optimizer kernels: faster than a loop, but hold a temporary copy of the gradients
     during the step. ``None`` keeps torch's default (when the step is not fused)."""
@@ -181,6 +198,7 @@ class TrainConfig:
         _check_choice(problems, "task", self.task, TASKS)
         _check_distributed(problems, self)
         _check_step_kernels(problems, self)
+        _check_adapters(problems, self)
         if self.device not in DEVICES:
             problems.lines.extend(_gpu_profile_problems(self.device))
         for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
@@ -310,6 +328,29 @@ def _check_step_kernels(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--fused is AdamW's kernel, not --optimizer {config.optimizer}'s; drop --fused")
     if config.fused and config.foreach:
         problems.add("--fused and --foreach are two implementations of the same step; give one of them")
+
+
+def _check_adapters(problems: Problems, config: TrainConfig) -> None:
+    """LoRA and quantised base weights: their ranges, and the libraries they need."""
+    _check_choice(problems, "quantize_base", config.quantize_base, QUANTIZE_BASE)
+    rank, quantized = config.lora_rank, config.quantize_base != "none"
+    if rank < 0:
+        problems.add(f"--lora-rank must be >= 0 (got {rank}); 0 turns LoRA off")
+    if config.lora_alpha is not None and not config.lora_alpha > 0:
+        problems.add(f"--lora-alpha must be > 0 (got {config.lora_alpha})")
+    if not 0.0 <= config.lora_dropout < 1.0:
+        problems.add(f"--lora-dropout must be in [0, 1) (got {config.lora_dropout})")
+    if quantized and rank == 0:
+        problems.add(f"--quantize-base {config.quantize_base} freezes the base weights: nothing would train; add "
+                     "--lora-rank (e.g. 16) for QLoRA")
+    if rank > 0 and importlib.util.find_spec("peft") is None:
+        problems.add("--lora-rank needs PEFT: pip install 'memfit[lora]'")
+    if quantized and importlib.util.find_spec("bitsandbytes") is None:
+        problems.add(f"--quantize-base {config.quantize_base} needs bitsandbytes: pip install 'memfit[lora]'")
+    if config.merge and rank == 0:
+        problems.add("--merge merges LoRA adapters into the base model; add --lora-rank or drop --merge")
+    if (rank or quantized) and config.distributed != "none":
+        problems.add("--lora-rank and --quantize-base train in one process; drop --distributed")
 
 
 def _check_distributed(problems: Problems, config: TrainConfig) -> None:

@@ -22,7 +22,7 @@ from rich.console import Console
 from torch import nn
 
 from memfit import checkpointer, checkpoints, distributed
-from memfit.build import Prepared, build_model_for, build_optimizer_for, prepare
+from memfit.build import Prepared, build_base_for, build_model_for, build_optimizer_for, prepare
 from memfit.config import TrainConfig
 from memfit.data.batches import window_order
 from memfit.errors import TrainingError
@@ -34,6 +34,7 @@ from memfit.planner import Plan, plan_for_run
 from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.run import Run
 from memfit.step import optimizer_step
+from memfit.techniques.lora import save_merged
 from memfit.techniques.oom import OomRecovery
 from memfit.techniques.optim import build_scheduler, step_kernels
 from memfit.techniques.stability import StepCheck
@@ -264,6 +265,10 @@ def save_final_model(run: Run) -> None:
         saved.save_pretrained(run.output_dir / "model", safe_serialization=True, state_dict=weights)
         if run.prepared.tokenizer is not None:
             run.prepared.tokenizer.save_pretrained(run.output_dir / "model")
+        if run.config.merge:  # the adapter, merged into the base as it was loaded (fp32, not quantised)
+            save_merged(run.output_dir / "model", build_base_for(run.prepared), run.output_dir / "model" / "merged")
+            if run.prepared.tokenizer is not None:
+                run.prepared.tokenizer.save_pretrained(run.output_dir / "model" / "merged")
 
 
 def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, world: distributed.World,
@@ -350,6 +355,18 @@ def kernels_label(config: TrainConfig) -> str:
     return "fused" if fused else {True: "foreach", False: "loop", None: "torch default"}[foreach]
 
 
+def adapters_label(config: TrainConfig, precision: str) -> str:
+    """LoRA's rank, scaling, targets and the base's storage, in words; ``none`` without adapters."""
+    if not config.lora_rank:
+        return "none"
+    alpha = config.lora_alpha if config.lora_alpha is not None else 2 * config.lora_rank
+    base = {"none": precision, "nf4": "4-bit NF4",
+            "int8": "8-bit"}[config.quantize_base]
+    return (f"LoRA r={config.lora_rank} alpha {alpha:g} dropout {config.lora_dropout:g} on "
+            f"{config.lora_targets or 'every Linear of the blocks'}; frozen base {base}"
+            f"{', merged copy saved' if config.merge else ''}")
+
+
 def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int) -> list[tuple[str, str]]:
     """The resolved config, as (name, value) rows for the console."""
     config = prepared.config
@@ -372,6 +389,7 @@ def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int
                       f"{' + GradScaler' if prepared.precision.uses_scaler else ''}"),
         ("checkpointing", checkpointing),
         ("freezing", freezing),
+        ("adapters", adapters_label(config, prepared.precision.name)),
         ("parameters", f"{trainable:,} trainable of {total:,} "
                        f"({format_bytes(4 * total)} in fp32)"),
         ("optimizer", f"{config.optimizer} lr {config.lr:g}, weight decay {config.weight_decay:g}, "

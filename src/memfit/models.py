@@ -9,6 +9,8 @@ and speed and says nothing about accuracy.
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import re
 import warnings
@@ -279,8 +281,8 @@ def _causal_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTra
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = auto_class.from_pretrained(str(spec.weights_dir))
-    else:
-        model = auto_class.from_config(spec.hf_config)
+    else:  # a copy: the pad id set below must not reach the spec's config (a second build must be the same)
+        model = auto_class.from_config(copy.deepcopy(spec.hf_config))
     if model.config.pad_token_id is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -316,10 +318,15 @@ def embedding_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
+    """(trainable, total) parameter counts; a 4-bit weight counts its weights, not its packed bytes."""
+    total = sum(_weights(p) for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, total
+
+
+def _weights(parameter: nn.Parameter) -> int:
+    state = getattr(parameter, "quant_state", None)  # a 4-bit weight: the shape it was quantised from
+    return math.prod(state.shape) if state is not None else parameter.numel()
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:

@@ -182,7 +182,10 @@ class Reporter:
             ("batch", f"{summary.effective_batch_size} = {summary.micro_batch_size} x "
                       f"{summary.accumulation_steps} accumulation"),
             ("optimizer steps", f"{summary.optimizer_steps} ({len(summary.skipped_steps)} skipped)"),
-            ("techniques", f"precision {summary.precision}, checkpointing {summary.checkpointing}"),
+            ("techniques", f"precision {summary.precision}, checkpointing {summary.checkpointing}"
+                           + (f", LoRA r={summary.config['lora_rank']}" if summary.config.get("lora_rank") else "")
+                           + (f" on a {summary.config['quantize_base']} base"
+                              if summary.config.get("quantize_base", "none") != "none" else "")),
             ("parameters", f"{summary.trainable_parameters:,} trainable of {summary.total_parameters:,}"),
             ("time", f"{summary.train_seconds:.1f} s training, {summary.total_seconds:.1f} s total"),
             *([("ranks", f"{summary.world_size} ({summary.distributed}), peak per rank "

@@ -37,6 +37,11 @@ VARIANTS = {  # name: (extra options, interruption, expected exit code of the in
     "sigterm-mid-window": (["--dropout-model"], "term:5", 128 + signal.SIGTERM),
     "sigint-at-window-end": ([], "int:6", 128 + signal.SIGINT),
     "causal-lm": (["--causal-model", "--precision", "bf16"], "kill:7", -signal.SIGKILL),
+    # checkpoints of the trained parameters only: the frozen base is rebuilt, bit for bit, on resume
+    "lora": (["--causal-model", "--precision", "bf16", "--lora-rank", "4", "--lora-dropout", "0.1"], "kill:7",
+             -signal.SIGKILL),
+    "qlora-sigterm-mid-window": (["--causal-model", "--precision", "bf16", "--lora-rank", "4", "--quantize-base",
+                                  "nf4"], "term:5", 128 + signal.SIGTERM),
 }
 MARKERS = ("--dropout-model", "--causal-model")
 
@@ -153,6 +158,11 @@ def test_interrupt_and_resume_is_exact(variant: str, models: dict[str, Path], re
     assert_same_run(run_dir, ref_dir)
     assert_same_samples(tmp_path / "first.probe", tmp_path / "second.probe", ref_probe, resumed_step)
     assert len(complete_checkpoints(run_dir)) == 2  # --keep-last 2
+    if "--lora-rank" in extra:  # the adapters alone: the frozen base is not in the checkpoint
+        from safetensors.torch import load_file
+
+        saved = load_file(str(complete_checkpoints(run_dir)[-1] / "model.safetensors"))
+        assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved), list(saved)
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 

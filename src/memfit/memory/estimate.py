@@ -55,8 +55,8 @@ from memfit.techniques.optim import build_scheduler
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, read_values
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "logits_and_loss", "temporaries", "inputs",
-              "workspaces")
+CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients", "optimizer_state", "activations",
+              "logits_and_loss", "temporaries", "inputs", "workspaces")
 SCALER_TENSORS = 4
 
 
@@ -199,9 +199,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     with world as mesh, fake_mode or contextlib.nullcontext(), (
             contextlib.nullcontext() if execute else _no_init_weights()):
         model: torch.nn.Module = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
-                                                       pad_token_id=0, task=trace.task)
-        if not execute:  # transformers ties input and output embeddings in the init_weights skipped above
-            model.tie_weights()  # type: ignore[operator]
+                                                       pad_token_id=0, task=trace.task, low_dtype=precision.low_dtype)
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None

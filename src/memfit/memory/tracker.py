@@ -11,7 +11,8 @@ block that CUDA's caching allocator would hand out for it, so the live count is 
 target. Peaks are kept overall and per named phase (:meth:`StorageTracker.phase`).
 
 Every storage also carries a category, so the bytes live at the peak can be broken down: ``parameters`` and
-``inputs`` are given when tracked, storages created in forward are ``activations`` (what autograd saves, plus
+``inputs`` are given when tracked (``frozen_parameters`` and ``quantized_weights`` for weights that do not
+train), storages created in forward are ``activations`` (what autograd saves, plus
 the forward's short-lived temporaries), and anything else made during a phase is ``temporaries`` until
 :meth:`StorageTracker.relabel` says otherwise (``gradients`` when accumulated into ``.grad``,
 ``optimizer_state`` after the optimizer step). The breakdown is copied at each new peak: a handful of integers.
@@ -128,9 +129,16 @@ class StorageTracker(TorchDispatchMode):
             self._grow(nbytes)
 
     def track_module(self, module: torch.nn.Module) -> None:
-        """Count the module's parameters and buffers; a language model's logits, and what the loss makes of
-        them in the same phase (the fp32 copy, log-softmax), count as ``logits_and_loss``."""
-        self.track(*module.parameters(), *module.buffers(), category="parameters")
+        """Count the module's weights: ``quantized_weights`` (packed weights, their scales and quantisation
+        state), ``parameters`` (trained), ``frozen_parameters`` (and buffers). A language model's logits, and
+        what the loss makes of them in the same phase (the fp32 copy, log-softmax), count as
+        ``logits_and_loss``."""
+        from memfit.techniques.quantized_base import quantized_tensors
+
+        self.track(*quantized_tensors(module), category="quantized_weights")
+        parameters = list(module.parameters())
+        self.track(*(p for p in parameters if p.requires_grad), category="parameters")
+        self.track(*(p for p in parameters if not p.requires_grad), *module.buffers(), category="frozen_parameters")
         head = getattr(module, "get_output_embeddings", lambda: None)()
         if isinstance(head, torch.nn.Module):
             head.register_forward_pre_hook(self._logits_start)

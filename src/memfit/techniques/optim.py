@@ -8,7 +8,10 @@ Trade-offs (memory per trained parameter, fp32 weights):
   per op, but materialises temporaries the size of all gradients during the step, which can set the peak;
   a ``loop`` updates one parameter at a time and peaks lower than foreach, slower than both.
 - ``sgd``: one momentum buffer, 4 bytes (none without momentum). Usually needs a higher learning rate.
-- ``adamw8bit``: bitsandbytes' block-wise 8-bit states, ~2 bytes. Changes the update's numerics slightly.
+- ``adamw8bit``: bitsandbytes' block-wise 8-bit states: one byte per moment plus one fp32 scale per block of
+  256 (tensors under 4,096 elements keep fp32 states), ~2 bytes. Changes the update's numerics slightly.
+- ``paged-adamw8bit``: the same states in CUDA unified memory, which the driver pages out to the host when the
+  device runs short instead of failing: survives spikes, slower when it pages. CUDA only.
 
 Only parameters that require gradients are given to the optimizer, so frozen ones never get state. Biases
 and norm weights get no weight decay. The schedule warms up linearly then decays linearly to zero, stepped
@@ -27,9 +30,15 @@ from torch import nn
 from memfit.errors import ConfigError
 
 
-def optimizer_problems(name: str) -> list[str]:
-    if name == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
-        return ["--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes (or use --optimizer adamw)"]
+def optimizer_problems(name: str, device_kind: str | None = None) -> list[str]:
+    """What ``--optimizer name`` needs: bitsandbytes for the 8-bit ones, a CUDA device (``device_kind``, when
+    known) for the paged one, whose states page between device and host memory through CUDA's unified
+    memory."""
+    if "8bit" in name and importlib.util.find_spec("bitsandbytes") is None:
+        return [f"--optimizer {name} needs bitsandbytes: pip install 'memfit[lora]' (or use --optimizer adamw)"]
+    if name == "paged-adamw8bit" and device_kind not in (None, "cuda"):
+        return [f"--optimizer paged-adamw8bit pages its states through CUDA unified memory, which a {device_kind} "
+                "device has not; use --optimizer adamw8bit"]
     return []
 
 
@@ -63,11 +72,8 @@ def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: flo
         return torch.optim.AdamW(groups, lr=lr, foreach=foreach, fused=fused or None)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=foreach)
-    if name == "adamw8bit":
-        import bitsandbytes
-
-        optimizer: torch.optim.Optimizer = bitsandbytes.optim.AdamW8bit(groups, lr=lr)
-        return optimizer
+    if "8bit" in name:
+        return _adamw8bit(groups, lr=lr, paged=name == "paged-adamw8bit")
     raise AssertionError(f"optimizer {name!r} passed validation")
 
 
@@ -93,3 +99,25 @@ def advance_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         scheduler.step()
+
+
+def _adamw8bit(groups: list[dict[str, Any]], *, lr: float, paged: bool) -> torch.optim.Optimizer:
+    """bitsandbytes' (paged) AdamW8bit. Its two quantisation maps (256 values each) are computed from real
+    numbers, then made as tensors where the optimizer is built: in the estimator's fake-tensor trace as in a
+    real run, and counted there as in a real run."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memfit.techniques.quantized_base import bitsandbytes
+
+    bnb = bitsandbytes()
+    base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+
+    class AdamW8bit(base):  # type: ignore[misc,valid-type]
+        def fill_qmap(self) -> None:
+            with _disable_current_modes():
+                signed = bnb.functional.create_dynamic_map(signed=True).tolist()
+                unsigned = bnb.functional.create_dynamic_map(signed=False).tolist()
+            self.name2qmap["dynamic"], self.name2qmap["udynamic"] = torch.tensor(signed), torch.tensor(unsigned)
+
+    optimizer: torch.optim.Optimizer = AdamW8bit(groups, lr=lr)
+    return optimizer

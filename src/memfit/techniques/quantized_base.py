@@ -1,0 +1,129 @@
+"""Quantised base weights (QLoRA): the frozen Linear layers of the repeated blocks stored in 4 or 8 bits.
+
+Trade-off: a frozen ``nn.Linear`` weight costs 4 bytes per parameter in fp32, 2 in bf16. bitsandbytes' NF4
+stores it in about 0.52 bytes (two 4-bit codes per byte, one 8-bit scale per block of 64 weights, and with
+double quantisation one fp32 scale per 256 of those); ``int8`` in about 1.0 (one int8 code per weight, one
+fp32 scale per output row). The price is compute: every forward and backward dequantises the weight, and the
+quantisation error changes what the frozen layers compute, so the adapters trained on top (LoRA, required:
+quantised weights cannot train) learn around it. Accuracy usually stays within a point of 16-bit LoRA.
+
+Only the Linear layers inside the repeated transformer blocks are quantised; embeddings, norms and the output
+or classification head keep their precision, as in QLoRA. The compute dtype of the dequantised weights is the
+run's 16-bit dtype (fp32 under ``--precision fp32``).
+
+Applied first, before freezing and adapters: ``nf4`` uses ``bitsandbytes.nn.Linear4bit`` (blocksize 64,
+double quantisation on); ``int8`` uses ``bitsandbytes.nn.Linear8bitLt`` without outlier decomposition
+(``threshold=0``). The model is quantised on the host, where it is built; the packed weights then move to the
+device as they are.
+
+The estimator builds the same layers on fake tensors: bitsandbytes registers fake kernels for its ops, so the
+packed weights, scales and quantisation state have their real shapes and dtypes and are counted storage by
+storage, as in a real run (:func:`quantized_tensors`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memfit.models import transformer_layers
+from memfit.quiet import raised_loggers
+
+KINDS = ("none", "nf4", "int8")
+NF4_BLOCKSIZE = 64
+
+
+@functools.cache
+def bitsandbytes() -> Any:
+    """bitsandbytes, imported once and quietly: on a CPU it logs that it cannot fetch an optional kernel from
+    a hub (there is none to reach), which is no concern of memfit's run. Its cached quantisation map is made
+    here on real tensors: making it reads values, which a fake tensor in the estimator's trace has not."""
+    # outside any dispatch mode: its modules make tables at import, which must be real tensors even when the
+    # first import happens inside the estimator's fake-tensor trace
+    with raised_loggers("bitsandbytes", "kernels", level=logging.CRITICAL), _disable_current_modes():
+        import bitsandbytes as bnb
+
+        bnb.functional.quantize_4bit(torch.zeros(NF4_BLOCKSIZE * 256), blocksize=NF4_BLOCKSIZE,
+                                     compress_statistics=True, quant_type="nf4")
+    return bnb
+
+
+def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> None:
+    """Replace every ``nn.Linear`` of the repeated blocks by its ``kind`` (``nf4 | int8``) counterpart."""
+    if kind == "none":
+        return
+    for block in transformer_layers(model):
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, _quantized(child, kind, compute_dtype))
+
+
+def _quantized(linear: nn.Linear, kind: str, compute_dtype: torch.dtype) -> Any:
+    bnb = bitsandbytes()
+    weight = linear.weight.detach()
+    fake = isinstance(weight, FakeTensor)
+    bias = linear.bias is not None
+    module: Any
+    # built on the meta device (outside a fake mode, where its parameter classes cannot wrap a tensor): only
+    # the parameters set below own memory
+    with _disable_current_modes():
+        module = (bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=compute_dtype,
+                                    compress_statistics=True, quant_type="nf4", device="meta") if kind == "nf4"
+                  else bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias,
+                                           has_fp16_weights=False, threshold=0.0, device="meta"))
+    if kind == "nf4":
+        packed, state = bnb.functional.quantize_4bit(weight.contiguous(), blocksize=NF4_BLOCKSIZE,
+                                                     compress_statistics=True, quant_type="nf4")
+        if fake:  # Params4bit cannot wrap a fake tensor: a plain frozen parameter with the same storage
+            parameter = nn.Parameter(packed, requires_grad=False)
+            parameter.quant_state = state  # type: ignore[attr-defined]
+        else:
+            parameter = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=NF4_BLOCKSIZE,
+                                          compress_statistics=True, quant_type="nf4", module=module,
+                                          bnb_quantized=True)
+        module.weight = parameter
+        module.quant_state = state
+        module.support_avx512bf16_for_cpu = False  # its inference repacking would change the trained layout
+    else:
+        codes, scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
+        if fake:
+            parameter = nn.Parameter(codes, requires_grad=False)
+        else:
+            parameter = bnb.nn.Int8Params(codes, requires_grad=False, has_fp16_weights=False)
+        parameter.CB, parameter.SCB = codes, scales  # type: ignore[attr-defined]
+        module.weight = parameter
+        module.state.CB, module.state.SCB = codes, scales
+    if bias:
+        module.bias = nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
+    return module
+
+
+def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor of the quantised layers: packed weights, their scales and quantisation state (most of
+    which are neither parameters nor buffers, so a module's ``parameters()`` do not list them)."""
+    tensors: list[torch.Tensor] = []
+    module: Any
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        if state is not None and hasattr(state, "absmax"):  # a 4-bit layer
+            tensors.append(module.weight)
+            tensors.extend(_state_tensors(state))
+        cb = getattr(getattr(module, "weight", None), "CB", None)
+        if isinstance(cb, torch.Tensor):  # an 8-bit layer
+            tensors.extend([module.weight, cb, module.weight.SCB])
+    return tensors
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    tensors = [value for value in (state.absmax, state.code, getattr(state, "offset", None))
+               if isinstance(value, torch.Tensor)]
+    if getattr(state, "state2", None) is not None:
+        tensors.extend(_state_tensors(state.state2))
+    return tensors
