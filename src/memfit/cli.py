@@ -236,6 +236,11 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                                                                      "the embeddings or lower layers if needed")
     allowed.add_argument("--allow-8bit-optimizer", action="store_true", help="opt-in: 8-bit AdamW states if "
                                                                              "needed (bitsandbytes)")
+    allowed.add_argument("--allow-lora", action="store_true", help="opt-in: LoRA adapters, the base frozen in "
+                                                                   "16 bits, when no full fine-tuning fits")
+    allowed.add_argument("--allow-qlora", action="store_true", help="opt-in: LoRA on a 4-bit NF4 base "
+                                                                    "(bitsandbytes), when LoRA does not fit")
+    allowed.add_argument("--lora-rank", type=int, default=16, metavar="R", help="rank of planned adapters [16]")
     out = parser.add_argument_group("output")
     out.add_argument("--config", help="TOML/YAML/JSON file with train options to plan for")
     out.add_argument("--top", type=int, default=12, help="candidate rows to print [12]")
@@ -314,6 +319,7 @@ def run_plan(args: argparse.Namespace) -> int:
     config = from_mapping({**values, **given})
     result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
                   margin=args.margin, allow_freeze=args.allow_freeze, allow_8bit_optimizer=args.allow_8bit_optimizer,
+                  allow_lora=args.allow_lora, allow_qlora=args.allow_qlora, lora_rank=args.lora_rank,
                   precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels,
                   gpus=args.gpus)
     if args.save:
@@ -354,7 +360,8 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
         peak = "-" if candidate.predicted_peak_bytes is None else (
             ("" if candidate.exact else "~") + format_bytes(candidate.predicted_peak_bytes))
         speed = f"{candidate.relative_speed:.2f}x" if candidate.relative_speed is not None else "-"
-        optimizer = family.optimizer_label + ("" if family.freeze == "none" else f", freeze {family.freeze}")
+        optimizer = family.optimizer_label + ("" if family.freeze == "none" else f", freeze {family.freeze}") + (
+            f", {family.technique_label}" if family.lora_rank else "")
         ranks = f"{family.strategy}: " if family.ranks else ""
         table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
                       family.precision,

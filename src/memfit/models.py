@@ -10,6 +10,7 @@ and speed and says nothing about accuracy.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import re
@@ -174,6 +175,18 @@ class ModelSpec:
     @property
     def is_pretrained(self) -> bool:
         return self.weights_dir is not None
+
+
+def with_depth(spec: ModelSpec, layers: int) -> ModelSpec:
+    """The same architecture with ``layers`` repeated blocks (per-layer lists such as ``layer_types`` cut to
+    match), without weights: what the planner traces to measure a layer's cost."""
+    values = spec.hf_config.to_dict()
+    hf_config = spec.hf_config.__class__.from_dict(values)
+    hf_config.num_hidden_layers = layers
+    for name, value in values.items():
+        if isinstance(value, list) and len(value) == spec.num_layers and name != "architectures":
+            setattr(hf_config, name, value[:layers])
+    return dataclasses.replace(spec, hf_config=hf_config, weights_dir=None)
 
 
 def packaged_minilm_dir() -> Path:

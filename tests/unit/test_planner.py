@@ -232,3 +232,39 @@ def test_plan_takes_the_effective_batch_of_its_config_file(tmp_path: Path, capsy
     assert main(["plan", "--config", str(config), "--device", "cpu", "--budget", "64MiB", "--seq-len", "16",
                  "--effective-batch", "2", "--json"]) == 0  # a flag given overrides the file
     assert json.loads(capsys.readouterr().out)["effective_batch"] == 2
+
+
+def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path: Path) -> None:
+    """Weights dominate this model: full fine-tuning needs the most, LoRA less, LoRA on an NF4 base least.
+    Each opt-in is taken only when the more faithful setups do not fit, and only if allowed."""
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 128, "intermediate_size": 256})
+    config = TrainConfig(model=str(model), max_length=16, effective_batch=4, task="causal-lm")
+    traces: dict[Any, Estimate] = {}
+
+    def planned(budget: int, **options: Any) -> Plan:
+        return plan(config, device="cpu", budget=int(budget / 0.95), seq_len=16, cache=traces, lora_rank=4,
+                    precisions=("fp32",), **options)
+
+    probe = planned(1000)  # nothing fits: each technique's least need, traced exactly
+    needs = {technique: min(c.predicted_peak_bytes or 0 for c in probe.candidates
+                            if c.exact and c.family.technique == technique) for technique in ("full", "lora", "qlora")}
+    assert needs["full"] > needs["lora"] > needs["qlora"]
+    assert "--allow-lora (r=4) would not fit either" in probe.verdict
+
+    between = (needs["lora"] + needs["full"]) // 2
+    lora = planned(between, allow_lora=True, allow_qlora=True).chosen
+    assert lora is not None and lora.family.technique == "lora" and lora.fits
+    assert planned(between, allow_lora=True).to_config().lora_rank == 4
+    refused = planned(between)
+    assert refused.chosen is None and "--allow-lora (r=4) would fit" in refused.verdict
+
+    tight = (needs["qlora"] + needs["lora"]) // 2
+    qlora_plan = planned(tight, allow_lora=True, allow_qlora=True)
+    assert qlora_plan.chosen is not None and qlora_plan.chosen.family.technique == "qlora"
+    assert qlora_plan.to_config().quantize_base == "nf4"
+    assert "full fine-tuning needs at least" in qlora_plan.verdict
+    row = qlora_plan.chosen.to_dict()
+    assert (row["lora_rank"], row["quantize_base"], row["offload_optimizer"]) == (4, "nf4", False)
+    assert planned(tight, allow_lora=True).chosen is None  # QLoRA not allowed: nothing

@@ -48,7 +48,7 @@ from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.tracker import StorageTracker
-from memfit.models import ModelSpec, count_parameters, resolve_model
+from memfit.models import ModelSpec, count_parameters, resolve_model, with_depth
 from memfit.quiet import quiet_imports
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
 from memfit.techniques.optim import build_scheduler
@@ -90,6 +90,8 @@ class Estimate:
     flops: int | None
     """Matmul-class FLOPs of the traced steps (forward, backward, checkpointing's recompute), counted by
     ``FlopCounterMode``; ``None`` unless asked for (``count_flops=True``)."""
+    dequantized_bytes: int | None
+    """Bytes the traced steps read and write to dequantise 4-bit weights (QLoRA); with ``flops``."""
     trainable_parameters: int
     """Parameters that get gradients and optimizer state."""
     parameters: int
@@ -128,7 +130,7 @@ class TraceInputs:
 
 def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
                   image_size: int | None = None, steps: int = 2, lean_warmup: bool = False,
-                  padded: bool = True) -> TraceInputs:
+                  padded: bool = True, layers: int | None = None) -> TraceInputs:
     """Validate ``config`` for the target and make the inputs; every problem is reported at once.
 
     ``padded=False``: every text fills the sequence length, so no micro-batch carries padding
@@ -150,7 +152,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     length = seq_len or config.max_length
     vision = spec.modality == "vision"
     size = (image_size or int(spec.hf_config.image_size)) if vision else None
-    spec = _config_only(spec, size)
+    spec = _config_only(spec if layers is None else with_depth(spec, layers), size)
     task = resolve_task(config, spec)
     # Host batches and their item counts, made before any fake mode: counting reads label values.
     micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window
@@ -166,7 +168,8 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
 
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
              image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False,
-             count_flops: bool = False, lean_warmup: bool = False, padded: bool = True) -> Estimate:
+             count_flops: bool = False, lean_warmup: bool = False, padded: bool = True,
+             layers: int | None = None) -> Estimate:
     """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
 
     ``count_flops=True`` also counts the FLOPs of the traced steps. ``lean_warmup=True`` runs the first step
@@ -174,11 +177,11 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     in step 2 and later), so the peak of a window of accumulation is the same for fewer ops. ``padded=False``
     when every text fills the sequence length (no micro-batch is ever padded, see :func:`synthetic_batch`).
     ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
-    measurement the estimate is checked against.
+    measurement the estimate is checked against. ``layers``: the same model with that many blocks.
     """
     started = time.perf_counter()
     trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps,
-                          lean_warmup=lean_warmup, padded=padded)
+                          lean_warmup=lean_warmup, padded=padded, layers=layers)
     profile, spec, length, size = trace.profile, trace.spec, trace.sequence_length, trace.image_size
     windows, window_items = trace.windows, trace.window_items
     traced_samples = sum(window_items)  # before run_steps consumes the windows
@@ -234,6 +237,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
         sequence_length=length, image_size=size, precision=precision.name,
         config=config.to_dict(), traced_ops=tracker.op_count, phase_ops=dict(tracker.phase_ops), flops=flops,
+        dequantized_bytes=tracker.dequantized_bytes if count_flops else None,
         trainable_parameters=trainable, parameters=total, world_size=config.world_size, distributed=strategy,
         traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
         seconds=time.perf_counter() - started)

@@ -61,6 +61,21 @@ def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
 LOGITS = "logits_and_loss"
 
 
+def quantized_op_cost(name: str, args: Any, out: Any) -> tuple[int, int]:
+    """(FLOPs, bytes moved to dequantise) of a bitsandbytes 4-bit op, which torch's FLOP formulas do not know.
+
+    ``gemm_4bit`` (forward: input ``A`` of K features times a packed N x K weight) is a matmul of
+    ``2 * rows * N * K`` FLOPs that first dequantises the weight (read half a byte, write the compute dtype's
+    bytes per weight); ``dequantize_4bit`` (backward) is that dequantisation alone."""
+    if name == "gemm_4bit":
+        a, shape = args[0], args[2]
+        weights = int(shape[0]) * int(shape[1])
+        return 2 * (a.numel() // int(shape[1])) * weights, weights * (a.element_size() * 2 + 1) // 2
+    if name == "dequantize_4bit" and isinstance(out, torch.Tensor):
+        return 0, out.numel() * (out.element_size() * 2 + 1) // 2
+    return 0, 0
+
+
 class StorageTracker(TorchDispatchMode):
     def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None,
                  budget_bytes: int | None = None, count_flops: bool = False) -> None:
@@ -76,6 +91,9 @@ class StorageTracker(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.phase_ops: dict[str, int] = {}
         self.flops = 0
+        self.dequantized_bytes = 0
+        """Bytes bitsandbytes' 4-bit ops read and write to dequantise weights (``count_flops``): the memory
+        traffic a QLoRA step adds, which no FLOP count shows."""
         """Matmul-class FLOPs of the ops seen (``count_flops``), by torch's own FLOP formulas. Counted here
         rather than by ``FlopCounterMode``, whose module hooks keep checkpointed layers' recomputed tensors
         alive and so change the very peak being traced."""
@@ -94,8 +112,13 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.op_count += 1
-        if self._flop_formulas is not None and func._overloadpacket in self._flop_formulas:
-            self.flops += self._flop_formulas[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+        if self._flop_formulas is not None:
+            if func._overloadpacket in self._flop_formulas:
+                self.flops += self._flop_formulas[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            elif func.namespace == "bitsandbytes":
+                flops, dequantized = quantized_op_cost(func._opname, args, out)
+                self.flops += flops
+                self.dequantized_bytes += dequantized
         if self._phase is not None:
             self.phase_ops[self._phase] = self.phase_ops.get(self._phase, 0) + 1
         for leaf in tree_leaves(out):

@@ -9,6 +9,11 @@ The effective batch is never changed: the planner only chooses how to compute it
 - opt-in, because they change what is learned: freezing (``allow_freeze``: the embeddings, or all but the top
   half or quarter of the layers) and 8-bit optimizer states (``allow_8bit_optimizer``, needs bitsandbytes).
   They are a last resort: used only when no accuracy-neutral setup fits, least freezing first.
+- opt-in adapters, in order of fidelity after full fine-tuning: LoRA (``allow_lora``: adapters of
+  ``lora_rank``, the base frozen in 16 bits) and then QLoRA (``allow_qlora``: the same on a 4-bit NF4 base).
+  Each says what it needs at least; the first allowed one that fits is searched like the neutral families
+  (precision x checkpointing x optimizer, 8-bit states too with ``allow_8bit_optimizer``). A run that already
+  asks for LoRA (``config.lora_rank``) is planned within it.
 
 Cost model (all of it):
 
@@ -23,6 +28,9 @@ Cost model (all of it):
                                                                = the profile's dense FLOP/s for the dtype
              + (k·ops_micro + ops_optimizer)·τ                per-op host overhead: k micro-steps of a window
              + trainable·BYTES_PER_TRAINED_PARAMETER / BW     the optimizer's memory traffic
+             + k·D / BW                                       QLoRA: D = bytes read and written per
+                                                               micro-step to dequantise the 4-bit weights
+                                                               (forward, backward, recompute), traced
              + communication (``--gpus N``, per optimizer step, W = N ranks, r = (W-1)/W, link = the
                profile's rank-to-rank bandwidth; taken as not hidden behind compute, an upper bound):
                ddp   2r·trainable·4 / link                   the gradient all-reduce
@@ -41,7 +49,9 @@ best fitting setup at any micro-batch is not traced. The chosen setup and the ru
 exact traces, as is any faster setup whose line comes within ``BAND`` of the budget.
 
 What only a GPU can confirm: EFFICIENCY and τ are typical eager-mode figures, not measured per card; the
-ranking depends on their ratio, the memory side does not.
+ranking depends on their ratio, the memory side does not. QLoRA's dequantisation is priced as memory traffic
+at the card's bandwidth, as bitsandbytes' dequantise-then-matmul path does it; its fused kernels for small
+batches are not modelled, and none of it has been measured on a GPU.
 """
 
 from memfit.planner.choose import plan, plan_for_run

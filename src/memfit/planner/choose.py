@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 from typing import Any
 
@@ -24,10 +25,12 @@ from memfit.techniques.optim import optimizer_problems
 def plan(config: TrainConfig | None = None, *, model: str | None = None, device: str | DeviceProfile = "1080ti",
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
          image_size: int | None = None, margin: float = 0.05, allow_freeze: bool = False,
-         allow_8bit_optimizer: bool = False, precisions: tuple[str, ...] | None = None,
+         allow_8bit_optimizer: bool = False, allow_lora: bool = False, allow_qlora: bool = False,
+         lora_rank: int = 16, precisions: tuple[str, ...] | None = None,
          num_labels: int = 2, cache: dict[Any, Estimate] | None = None, gpus: int | None = None) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
-    at ``effective_batch``; see the module docstring for the search and its cost model.
+    at ``effective_batch``; see the module docstring for the search and its cost model. ``allow_lora`` and
+    ``allow_qlora``: when no full fine-tuning fits, LoRA of ``lora_rank`` (then on a 4-bit base).
 
     ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
     ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
@@ -51,6 +54,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
         problems.add(f"--margin {margin} must be between 0 and 0.5 (e.g. 0.05 for 5 %)")
     if allow_8bit_optimizer:
         problems.lines.extend(optimizer_problems("adamw8bit"))
+    if (allow_lora or allow_qlora) and lora_rank < 1:
+        problems.add(f"--lora-rank {lora_rank}: a planned adapter needs a rank of at least 1 (e.g. 16)")
     if profile is not None:
         allowed = profile.precisions()
         for precision in precisions or ():
@@ -66,11 +71,11 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache)
-    chosen_precisions = tuple(p for p in profile.precisions() if not precisions or p in precisions)
+    chosen_precisions = tuple(sorted((p for p in profile.precisions() if not precisions or p in precisions),
+                                     key=lambda p: -profile.flops_for(p)))
     neutral = [Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
-                      optimizer=base.optimizer, strategy=s)
-               for s in strategies(base, profile)
-               for p in sorted(chosen_precisions, key=lambda p: -profile.flops_for(p)) for c in CHECKPOINTING]
+                      optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base)
+               for s in strategies(base, profile) for p in chosen_precisions for c in CHECKPOINTING]
     search.search(neutral)
     advice: list[str] = []
     chosen = search.best(confirmed=True)
@@ -85,8 +90,13 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     if chosen is None:
         chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
                                   allow_8bit=allow_8bit_optimizer)
+    if chosen is None and not base.lora_rank and base.world_size == 1:
+        stages = {"lora": allow_lora, "qlora": allow_qlora}
+        chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
+                           optimizers=("adamw", "adamw8bit") if allow_8bit_optimizer else ("adamw",))
+    techniques = {"lora": allow_lora, "qlora": allow_qlora, "full": True}
     ranked = rank_candidates(search, chosen, allowed=lambda f: (f.freeze == "none" or allow_freeze)
-                   and (f.optimizer != "adamw8bit" or allow_8bit_optimizer))
+                             and (f.optimizer != "adamw8bit" or allow_8bit_optimizer) and techniques[f.technique])
     verdict = verdict_line(chosen, smallest, advice, usable, budget_bytes, margin)
     length = seq_len or base.max_length
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
@@ -171,3 +181,45 @@ def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, all
     if optimizer_problems("adamw8bit"):
         advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install bitsandbytes) to be planned")
     return None, advice
+
+
+def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
+              rank: int, advice: list[str], optimizers: tuple[str, ...]) -> Candidate | None:
+    """When no full fine-tuning fits: LoRA, then QLoRA (``stages``: which the user allows). Each says what it
+    needs at least (micro-batch 1, full checkpointing, the leanest precision); the first allowed one that fits
+    is searched like the neutral families and its fastest setup chosen."""
+    for technique, allowed in stages.items():
+        flag = f"--allow-{technique}"
+        problem = adapter_problem(technique, profile)
+        if problem:
+            advice.append(f"{flag}: {problem}")
+            continue
+        quantized = "nf4" if technique == "qlora" else "none"
+        families = [Family(precision=p, checkpointing=c, kernels=default_kernels(o, "none", profile), optimizer=o,
+                           lora_rank=rank, quantize_base=quantized)
+                    for o in optimizers for p in precisions for c in CHECKPOINTING]
+        need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1],
+                                                          kernels=default_kernels(optimizers[-1], "none", profile)), 1)
+        advice.append(f"{flag} (r={rank}) {'would fit' if need.fits else 'would not fit either'}: it needs at least "
+                      f"{format_bytes(need.predicted_peak_bytes or 0)}")
+        if need.fits and allowed:
+            search.search(families)
+            chosen = search.best(confirmed=True, where=lambda f, t=technique: f.technique == t)  # type: ignore[misc]
+            if chosen is not None:
+                return chosen
+    return None
+
+
+def adapter_problem(technique: str, profile: DeviceProfile) -> str | None:
+    """Why ``technique`` (``lora``/``qlora``) cannot be planned for ``profile``, or ``None``."""
+    if importlib.util.find_spec("peft") is None:
+        return "needs PEFT (pip install 'memfit[lora]') to be planned"
+    if technique != "qlora":
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "needs bitsandbytes (pip install 'memfit[lora]') to be planned"
+    capability = profile.compute_capability
+    if capability is not None and capability < (6, 0):
+        return (f"bitsandbytes' 4-bit kernels need CUDA capability 6.0 or newer; {profile.description} has "
+                f"{capability[0]}.{capability[1]}")
+    return None

@@ -1,4 +1,4 @@
-"""What the planner varies: a family of setups (precision, checkpointing, optimizer, freezing, strategy)
+"""What the planner varies: a family of setups (precision, checkpointing, optimizer, freezing, strategy, LoRA)
 and a candidate (a family at one micro-batch, with its predicted peak and speed)."""
 
 from __future__ import annotations
@@ -28,14 +28,29 @@ class Family:
     optimizer: str = "adamw"
     strategy: str = "none"
     """More than one GPU: ``ddp``, ``fsdp`` or ``fsdp-offload``; ``none`` for one."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank instead of training the weights (0: full fine-tuning)."""
+    quantize_base: str = "none"
+    """``nf4`` under LoRA: QLoRA's 4-bit base weights."""
 
     @property
     def ranks(self) -> bool:
         return self.strategy != "none"
 
     @property
+    def technique(self) -> str:
+        """``full``, ``lora`` or ``qlora``: the families' order of fidelity."""
+        return "full" if not self.lora_rank else ("lora" if self.quantize_base == "none" else "qlora")
+
+    @property
+    def technique_label(self) -> str:
+        if self.technique == "full":
+            return "full fine-tuning"
+        return f"LoRA r={self.lora_rank}" + (f" on a {self.quantize_base} base" if self.technique == "qlora" else "")
+
+    @property
     def accuracy_neutral(self) -> bool:
-        return self.freeze == "none" and self.optimizer != "adamw8bit"
+        return self.freeze == "none" and self.optimizer != "adamw8bit" and not self.lora_rank
 
     @property
     def optimizer_label(self) -> str:
@@ -55,7 +70,8 @@ class Family:
             self.checkpointing, checkpoint_every=2, foreach={"foreach": True, "loop": False}.get(self.kernels),
             fused=self.kernels == "fused" and self.optimizer == "adamw", optimizer=self.optimizer,
             freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
-            train_top_layers=top if top is not None else base.train_top_layers)
+            train_top_layers=top if top is not None else base.train_top_layers,
+            lora_rank=self.lora_rank, quantize_base=self.quantize_base)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +105,8 @@ class Candidate:
                 "optimizer": self.family.optimizer_label, "kernels": self.family.kernels,
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
                 "distributed": self.family.strategy, "world_size": self.world_size,
+                "lora_rank": self.family.lora_rank, "quantize_base": self.family.quantize_base,
+                "offload_optimizer": False,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -100,9 +118,10 @@ class Candidate:
         freeze = "" if self.family.freeze == "none" else f", freeze {self.family.freeze}"
         ranks = f"{self.family.strategy}, " if self.family.ranks else ""
         per_rank = " per rank" if self.family.ranks else ""
+        adapters = f", {self.family.technique_label}" if self.family.lora_rank else ""
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
                 f"{self.family.precision}, checkpointing {self.family.checkpointing}, "
-                f"{self.family.optimizer_label}{freeze}")
+                f"{self.family.optimizer_label}{freeze}{adapters}")
 
 
 def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile) -> str:

@@ -118,7 +118,8 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
     kernels = raw.get("kernels") or ("foreach" if raw["foreach"] else "loop")  # plans saved before "kernels"
     family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], kernels=kernels,
                     freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
-                    strategy=raw.get("distributed", "none"))
+                    strategy=raw.get("distributed", "none"), lora_rank=raw.get("lora_rank", 0),
+                    quantize_base=raw.get("quantize_base", "none"))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
@@ -135,7 +136,9 @@ def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callab
     reference = chosen.predicted_samples_per_second if chosen else None
     for candidate in fitting + rest:
         if not allowed(candidate.family):
-            flag = "--allow-freeze" if candidate.family.freeze != "none" else "--allow-8bit-optimizer"
+            family = candidate.family
+            flag = (f"--allow-{family.technique}" if family.lora_rank else "--allow-freeze"
+                    if family.freeze != "none" else "--allow-8bit-optimizer")
             candidate.reason = f"{'fits' if candidate.fits else 'does not fit'}; opt-in, needs {flag}"
         elif candidate is chosen:
             candidate.reason = "chosen: fastest that fits" + (
@@ -166,8 +169,12 @@ def verdict_line(chosen: Candidate | None, smallest: Candidate | None, advice: l
              budget: int, margin: float) -> str:
     where = f"{format_bytes(budget)} ({format_bytes(usable)} usable with the {margin:.0%} margin)"
     if chosen is not None:
+        why = ""
+        if smallest is not None:  # an opt-in was needed: what the more faithful setups needed
+            why = (f" (full fine-tuning needs at least {format_bytes(smallest.predicted_peak_bytes or 0)}; "
+                   + "; ".join(advice) + ")")
         return (f"{chosen.describe()} fits {where}: needs {format_bytes(chosen.predicted_peak_bytes or 0)}, "
-                f"predicted {chosen.predicted_samples_per_second:.1f} samples/s")
+                f"predicted {chosen.predicted_samples_per_second:.1f} samples/s{why}")
     assert smallest is not None
     return (f"nothing fits {where}: the smallest any allowed setup needs is "
             f"{format_bytes(smallest.predicted_peak_bytes or 0)} ({smallest.describe()}); " + "; ".join(advice))

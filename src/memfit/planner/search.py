@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +149,8 @@ class Search:
         with checkpointing, ops with checkpointing and with autocast's casts."""
         rank = CHECKPOINTING.index(family.checkpointing)
         known = [(other, cost) for other, cost in self.costs.items()
-                 if other.freeze == family.freeze and other.optimizer == family.optimizer
+                 if (other.freeze, other.optimizer, other.lora_rank, other.quantize_base)
+                 == (family.freeze, family.optimizer, family.lora_rank, family.quantize_base)
                  and CHECKPOINTING.index(other.checkpointing) <= rank
                  and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
         flops = max((cost.flops_per_sample for _, cost in known), default=0.0)
@@ -163,8 +165,10 @@ class Search:
         return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
                             accumulation_steps=1, strategy=family.strategy, world_size=self.world_size)
 
-    def best(self, *, confirmed: bool) -> Candidate | None:
-        fitting = [c for c in self.candidates.values() if c.fits and (c.exact or not confirmed)]
+    def best(self, *, confirmed: bool, where: Callable[[Family], bool] | None = None) -> Candidate | None:
+        """The fastest fitting setup (``confirmed``: traced exactly; ``where``: of the families it accepts)."""
+        fitting = [c for c in self.candidates.values() if c.fits and (c.exact or not confirmed)
+                   and (where is None or where(c.family))]
         return max(fitting, key=lambda c: c.predicted_samples_per_second, default=None)
 
     def search(self, families: list[Family]) -> None:

@@ -28,6 +28,8 @@ class StepCost:
     ops_per_optimizer_step: float
     trainable_parameters: int
     parameters: int = 0
+    dequantized_bytes_per_micro_step: float = 0.0
+    """QLoRA: bytes read and written to dequantise the 4-bit weights in one forward and backward."""
 
     @classmethod
     def of(cls, trace: Estimate) -> StepCost:
@@ -37,7 +39,8 @@ class StepCost:
         return cls(flops_per_sample=trace.flops / trace.traced_samples,
                    ops_per_micro_step=(ops.get("forward", 0) + ops.get("backward", 0)) / micro_steps,
                    ops_per_optimizer_step=ops.get("optimizer", 0) / STEPS,
-                   trainable_parameters=trace.trainable_parameters, parameters=trace.parameters)
+                   trainable_parameters=trace.trainable_parameters, parameters=trace.parameters,
+                   dequantized_bytes_per_micro_step=(trace.dequantized_bytes or 0) / micro_steps)
 
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
@@ -46,7 +49,8 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
     ``effective_batch`` is the samples this rank computes."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
-    traffic = cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER / profile.memory_bandwidth
+    traffic = (cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER
+               + accumulation_steps * cost.dequantized_bytes_per_micro_step) / profile.memory_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
     share = (world_size - 1) / world_size
