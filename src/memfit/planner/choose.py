@@ -70,7 +70,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     spec = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1).spec  # errors now
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
-                     num_labels=num_labels, cache=cache)
+                     num_labels=num_labels, cache=cache, layers=spec.num_layers)
     chosen_precisions = tuple(sorted((p for p in profile.precisions() if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
     neutral = [Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
