@@ -136,3 +136,25 @@ def test_the_paged_optimizer_is_refused_off_cuda(llm: Path) -> None:
     assert optimizer_problems("paged-adamw8bit", "cuda") == []
     [problem] = optimizer_problems("paged-adamw8bit", "cpu")
     assert "CUDA unified memory" in problem and "--optimizer adamw8bit" in problem
+
+
+@pytest.mark.parametrize("rows", [8, 4])
+def test_a_cuda_target_holds_the_dequantised_weight_while_a_4bit_matmul_runs(rows: int) -> None:
+    """bitsandbytes' CUDA fallback (always on Pascal, past 4 rows): fp32 block scales twice and the whole
+    weight in the compute dtype live beside the output; up to 4 rows its fused kernel needs none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.memory.emulation import _dequantising
+    from memfit.memory.tracker import StorageTracker
+    from memfit.techniques.quantized_base import _quantized, bitsandbytes
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = _quantized(torch.nn.Linear(256, 512, bias=False), "nf4", torch.float16)
+        inputs = torch.empty(rows, 256, dtype=torch.float16)
+        with StorageTracker() as tracker:
+            tracker.track(inputs, *quantized_tensors(layer))
+            before = tracker.live_bytes
+            _dequantising(bitsandbytes().matmul_4bit)(inputs, layer.weight, quant_state=layer.quant_state)
+    output, weights = rows * 512 * 2, 256 * 512
+    transients = 2 * (weights // 64) * 4 + weights * 2 if rows > 4 else 0
+    assert tracker.peak_bytes - before == output + transients

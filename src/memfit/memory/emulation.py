@@ -22,6 +22,12 @@ forward):
   fused kernels' FLOPs to :attr:`CudaEmulation.attention_flops` instead: 4·B·H·S·S'·D forward (QK^T and PV)
   and 10·B·H·S·S'·D backward (the kernels recompute QK^T, then four gradient matmuls), the counts
   FlashAttention's own papers use.
+- **4-bit matmuls (QLoRA).** bitsandbytes' CUDA ``gemm_4bit`` runs a fused kernel only for a handful of
+  rows (at most 4 everywhere; on sm75+ some shapes up to 1,536, by a per-card table this does not copy);
+  otherwise, and always on Pascal, it dequantises: an fp32 copy of the block scales, the same plus the
+  offset, and the whole weight in the compute dtype, live while ``F.linear`` makes its output. The wrapper of
+  ``bitsandbytes.matmul_4bit`` makes those transients around the CPU call. On sm75+ it is an upper bound
+  (the fused kernel needs none).
 - **Allocator rounding** is not done here: the tracker rounds each storage to 512 bytes for CUDA targets.
 
 - **cuBLAS workspaces** (:func:`cublas_workspaces`) come from PyTorch's caching allocator, so they count in
@@ -39,6 +45,7 @@ modelled; ``benchmarks/validate_estimator.py`` measures the remaining error.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -161,6 +168,9 @@ class CudaEmulation:
             self._swap(owner, name, _in_low_precision(getattr(owner, name)))
         self._swap(F, "scaled_dot_product_attention", functools.partial(self._attention,
                                                                         F.scaled_dot_product_attention))
+        bnb = sys.modules.get("bitsandbytes")
+        if bnb is not None:
+            self._swap(bnb, "matmul_4bit", _dequantising(bnb.matmul_4bit))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -191,6 +201,29 @@ class CudaEmulation:
         output: torch.Tensor = _FusedAttention.apply(query, key, value, attn_mask, lse_length, dropout_p > 0,
                                                             self)
         return output
+
+
+FUSED_4BIT_ROWS = 4
+"""bitsandbytes' CUDA gemm_4bit runs its fused kernel (no dequantised copy) up to this many rows on any card."""
+
+
+def _dequantising(matmul_4bit: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``matmul_4bit`` as CUDA's dequantising path allocates: its transients live while the output is made."""
+    @functools.wraps(matmul_4bit)
+    def run(A: torch.Tensor, B: torch.Tensor, quant_state: Any, out: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+        if A.numel() // A.shape[-1] <= FUSED_4BIT_ROWS:
+            return matmul_4bit(A, B, quant_state, out=out, bias=bias)
+        transients = []
+        if quant_state.nested:  # the block scales in fp32, then plus the offset
+            scales = torch.empty(quant_state.absmax.shape, dtype=torch.float32)
+            transients += [scales, scales + 0.0]
+        transients.append(torch.empty(tuple(quant_state.shape), dtype=A.dtype))  # the dequantised weight
+        result = matmul_4bit(A, B, quant_state, out=out, bias=bias)
+        del transients
+        return result
+
+    return run
 
 
 def _in_fp32(function: Callable[..., Any]) -> Callable[..., Any]:
