@@ -26,15 +26,16 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
          image_size: int | None = None, margin: float = 0.05, allow_freeze: bool = False,
          allow_8bit_optimizer: bool = False, allow_lora: bool = False, allow_qlora: bool = False,
-         lora_rank: int = 16, precisions: tuple[str, ...] | None = None,
-         num_labels: int = 2, cache: dict[Any, Estimate] | None = None, gpus: int | None = None) -> Plan:
+         lora_rank: int = 16, precisions: tuple[str, ...] | None = None, num_labels: int = 2,
+         cache: dict[Any, Estimate] | None = None, gpus: int | None = None, suggest: bool = True) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
     at ``effective_batch``; see the module docstring for the search and its cost model. ``allow_lora`` and
     ``allow_qlora``: when no full fine-tuning fits, LoRA of ``lora_rank`` (then on a 4-bit base).
 
     ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
     ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
-    on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's."""
+    on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's. ``suggest=False``: when
+    nothing fits, do not trace what LoRA and QLoRA would need (a training run, which cannot opt in to them)."""
     started = time.perf_counter()
     base = config or TrainConfig()
     base = dataclasses.replace(base, model=model or base.model, effective_batch=effective_batch or base.effective_batch,
@@ -42,31 +43,9 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                                world_size=gpus or base.world_size)
     if base.world_size > 1 and base.distributed == "none":
         base = dataclasses.replace(base, distributed="auto")
-    problems = Problems()
-    if base.world_size < 1:
-        problems.add(f"--gpus must be >= 1 (got {base.world_size})")
-    elif base.world_size > base.effective_batch:
-        problems.add(f"--gpus {base.world_size} is more than --effective-batch {base.effective_batch}: every GPU "
-                     "needs at least one sample of each step")
-    profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
-    budget_bytes = problems.collect(lambda: _budget_bytes(budget, profile))
-    if not 0.0 <= margin < 0.5:
-        problems.add(f"--margin {margin} must be between 0 and 0.5 (e.g. 0.05 for 5 %)")
-    if allow_8bit_optimizer:
-        problems.lines.extend(optimizer_problems("adamw8bit"))
-    if (allow_lora or allow_qlora) and lora_rank < 1:
-        problems.add(f"--lora-rank {lora_rank}: a planned adapter needs a rank of at least 1 (e.g. 16)")
-    if profile is not None:
-        allowed = profile.precisions()
-        for precision in precisions or ():
-            if precision not in allowed:
-                problems.add(f"--precision {precision}: not planned on {profile.description}; use one of "
-                             f"{', '.join(allowed)} (or auto)")
-        if min(profile.flops_for(p) for p in allowed) <= 0:
-            problems.add(f"device {profile.description} has no throughput figures to plan with; pass a profile "
-                         "file with fp32_flops (and fp16_flops/bf16_flops) as --device")
-    problems.raise_if_any(ConfigError)
-    assert profile is not None and budget_bytes is not None
+    profile, budget_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
+                                            allow_8bit=allow_8bit_optimizer,
+                                            lora_rank=lora_rank if allow_lora or allow_qlora else None)
     spec = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1).spec  # errors now
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
@@ -90,7 +69,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     if chosen is None:
         chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
                                   allow_8bit=allow_8bit_optimizer)
-    if chosen is None and not base.lora_rank and base.world_size == 1:
+    if chosen is None and not base.lora_rank and base.world_size == 1 and (suggest or allow_lora or allow_qlora):
         stages = {"lora": allow_lora, "qlora": allow_qlora}
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
                            optimizers=("adamw", "adamw8bit") if allow_8bit_optimizer else ("adamw",))
@@ -123,7 +102,7 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
         named = config.device not in DEVICES  # --device 1080ti: plan for that card
         target = resolve_profile(config.device) if named else profile_for(prepared.device)
         made = plan(config, device=target, budget=config.budget, seq_len=config.max_length,
-                    num_labels=len(prepared.label_names), gpus=config.world_size,
+                    num_labels=len(prepared.label_names), gpus=config.world_size, suggest=False,
                     precisions=None if config.precision == "auto" else (config.precision,))
     if made.chosen is None:
         raise ConfigError(made.verdict)
@@ -132,6 +111,38 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
                       f"{config.effective_batch}")
     console.print(f"plan: {made.verdict} (planned in {made.seconds:.1f} s from {made.traces} traces)")
     return made.to_config(base=config), made
+
+
+def _checked_inputs(base: TrainConfig, device: str | DeviceProfile, budget: str | int | None, margin: float, *,
+                    precisions: tuple[str, ...] | None, allow_8bit: bool,
+                    lora_rank: int | None) -> tuple[DeviceProfile, int]:
+    """The device profile and the budget in bytes; every problem of the planning inputs raised at once."""
+    problems = Problems()
+    if base.world_size < 1:
+        problems.add(f"--gpus must be >= 1 (got {base.world_size})")
+    elif base.world_size > base.effective_batch:
+        problems.add(f"--gpus {base.world_size} is more than --effective-batch {base.effective_batch}: every GPU "
+                     "needs at least one sample of each step")
+    profile = problems.collect(lambda: device if isinstance(device, DeviceProfile) else resolve_profile(device))
+    budget_bytes = problems.collect(lambda: _budget_bytes(budget, profile))
+    if not 0.0 <= margin < 0.5:
+        problems.add(f"--margin {margin} must be between 0 and 0.5 (e.g. 0.05 for 5 %)")
+    if allow_8bit:
+        problems.lines.extend(optimizer_problems("adamw8bit"))
+    if lora_rank is not None and lora_rank < 1:
+        problems.add(f"--lora-rank {lora_rank}: a planned adapter needs a rank of at least 1 (e.g. 16)")
+    if profile is not None:
+        allowed = profile.precisions()
+        for precision in precisions or ():
+            if precision not in allowed:
+                problems.add(f"--precision {precision}: not planned on {profile.description}; use one of "
+                             f"{', '.join(allowed)} (or auto)")
+        if min(profile.flops_for(p) for p in allowed) <= 0:
+            problems.add(f"device {profile.description} has no throughput figures to plan with; pass a profile "
+                         "file with fp32_flops (and fp16_flops/bf16_flops) as --device")
+    problems.raise_if_any(ConfigError)
+    assert profile is not None and budget_bytes is not None
+    return profile, budget_bytes
 
 
 def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> int | None:

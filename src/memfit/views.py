@@ -1,0 +1,150 @@
+"""What the commands print: the plan table, the estimate's breakdown, the int8 report and the device list.
+
+Each view takes a rich ``Console`` and a result; :mod:`memfit.cli` chooses which one a command shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from memfit.errors import MemfitError
+
+
+def print_plan(console: Console, result: Any, *, top: int) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    shape = (f"seq len {result.sequence_length}" if result.sequence_length is not None
+             else f"image {result.image_size}px")
+    console.print(f"[bold]memfit plan[/]: {result.model} on {result.device_description}, effective batch "
+                  f"{result.effective_batch}, {shape}, budget {format_bytes(result.budget_bytes)} "
+                  f"({format_bytes(result.usable_bytes)} usable)")
+    if result.chosen is not None:
+        console.print(f"[green]chosen[/]: {result.chosen.describe()}")
+    table = Table(caption="peak: ~ = from the family's fit (a line or a lean trace), - = not traced (its speed "
+                          "is a bound)")
+    for column in ("#", "micro x acc", "precision", "checkpoint", "optimizer", "fits", "peak", "samples/s",
+                   "vs chosen", "why"):
+        table.add_column(column, justify="right" if column in ("#", "peak", "samples/s", "vs chosen") else "left",
+                         no_wrap=column != "why")
+    for rank, candidate in enumerate(result.candidates[:top], start=1):
+        family = candidate.family
+        fits = {True: "[green]yes", False: "[red]no", None: "-"}[candidate.fits]
+        peak = "-" if candidate.predicted_peak_bytes is None else (
+            ("" if candidate.exact else "~") + format_bytes(candidate.predicted_peak_bytes))
+        speed = f"{candidate.relative_speed:.2f}x" if candidate.relative_speed is not None else "-"
+        optimizer = family.optimizer_label + ("" if family.freeze == "none" else f", freeze {family.freeze}") + (
+            f", {family.technique_label}" if family.lora_rank else "")
+        ranks = f"{family.strategy}: " if family.ranks else ""
+        table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
+                      family.precision,
+                      family.checkpointing, optimizer, fits, peak, f"{candidate.predicted_samples_per_second:.1f}",
+                      speed, candidate.reason)
+    console.print(table)
+    if len(result.candidates) > top:
+        console.print(f"({len(result.candidates) - top} more rows: --top {len(result.candidates)} or --json)")
+    console.print(result.verdict)
+    console.print(f"planned in {result.seconds:.1f} s from {result.traces} traces; peak = allocator reserve + "
+                  "non-PyTorch memory; speed from the FLOP/overhead cost model (memfit.planner)")
+
+
+def print_devices(console: Console) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    table = Table(title="device profiles")
+    for column in ("name", "device", "memory", "sm", "fp32 TFLOP/s", "fp16 TFLOP/s", "bf16 TFLOP/s",
+                   "tensor cores"):
+        table.add_column(column)
+    from memfit.devices import PROFILES as BUILT_IN
+
+    for profile in BUILT_IN.values():
+        capability = profile.compute_capability
+        table.add_row(profile.name, profile.description,
+                      format_bytes(profile.memory_bytes) if profile.memory_bytes else "host RAM",
+                      f"{capability[0]}.{capability[1]}" if capability else "-", f"{profile.fp32_flops / 1e12:g}",
+                      f"{profile.fp16_flops / 1e12:g}", f"{profile.bf16_flops / 1e12:g}" if profile.bf16_flops
+                      else "no", "yes" if profile.tensor_cores else "no")
+    console.print(table)
+    console.print(this_machine())
+
+
+def this_machine() -> str:
+    """The card this process sees, and whether the installed torch carries kernels for it."""
+    import torch
+
+    from memfit.devices import profile_for, resolve_device
+
+    if not torch.cuda.is_available():
+        return f"this machine: no CUDA device (torch {torch.__version__}); memfit trains on the CPU"
+    try:
+        device = resolve_device("cuda")  # checks torch.cuda.get_arch_list() against the card
+    except MemfitError as error:
+        return f"this machine: {error.problems[0]}"
+    return (f"this machine: {device.describe()}, profile {profile_for(device).name}; torch {torch.__version__} "
+            "runs on it")
+
+
+def print_quantize(console: Console, report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    table = Table(title=f"memfit quantize: {report['method']} ({report['backend']}), CPU, {report['threads']} "
+                        f"threads, {report['val_samples']} validation samples", title_justify="left")
+    for column in ("", "fp32", "int8", "fp32 / int8"):
+        table.add_column(column, justify="right")
+    fp32, int8 = report["fp32"], report["int8"]
+    table.add_row("size on disk", format_bytes(fp32["size_bytes"]), format_bytes(int8["size_bytes"]),
+                  f"{report['size_ratio']:.2f}x")
+    table.add_row("weights in memory", format_bytes(fp32["memory_bytes"]), format_bytes(int8["memory_bytes"]),
+                  f"{report['memory_ratio']:.2f}x")
+    table.add_row("val accuracy", f"{fp32['val_accuracy']:.4f}", f"{int8['val_accuracy']:.4f}",
+                  f"{report['accuracy_delta_points']:+.2f} points")
+    table.add_row("latency batch 1 (median)", f"{fp32['latency_ms_batch1']:.1f} ms",
+                  f"{int8['latency_ms_batch1']:.1f} ms", f"{report['latency_ratio_batch1']:.2f}x")
+    table.add_row("latency batch 8 (median)", f"{fp32['latency_ms_batch8']:.1f} ms",
+                  f"{int8['latency_ms_batch8']:.1f} ms", f"{report['latency_ratio_batch8']:.2f}x")
+    console.print(table)
+    console.print(f"predictions agree on {100 * report['prediction_agreement']:.2f} % of the validation set; "
+                  f"largest logit difference {report['max_abs_logit_diff']:.4f}; saved to {report['output_dir']}")
+    if report.get("kept_fp32"):
+        console.print(f"kept in fp32 so that int8 keeps 98 % of the predictions: {', '.join(report['kept_fp32'])}")
+
+
+def print_estimate(console: Console, result: Any) -> None:
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    shape = (f"seq len {result.sequence_length}" if result.sequence_length is not None
+             else f"image {result.image_size}px")
+    console.print(f"[bold]memfit estimate[/]: {result.config['model']} on {result.device}, micro-batch "
+                  f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}, "
+                  f"checkpointing {result.config['checkpointing']}, {result.config['optimizer']}"
+                  + (f"; one rank of {result.world_size} ({result.distributed})" if result.distributed != "none"
+                     else ""))
+    table = Table()
+    table.add_column("at the peak")
+    table.add_column("bytes", justify="right")
+    for name, value in result.breakdown.items():
+        if value or name not in ("frozen_parameters", "quantized_weights", "logits_and_loss", "workspaces"):
+            # those only where the step has them
+            table.add_row(name.replace("_", " "), format_bytes(value))
+    table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
+    table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))
+    table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))
+    console.print(table)
+    phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in result.phases.items())
+    console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})", soft_wrap=True)
+    if result.fits is None:
+        console.print("target: cpu (no fixed memory budget)")
+    else:
+        verdict = "[green]fits" if result.fits else "[red]does not fit"
+        console.print(f"{verdict}[/] in {format_bytes(result.device_memory_bytes)}: needs "
+                      f"{format_bytes(result.total_bytes)}, headroom {format_bytes(result.headroom_bytes)}")
+    console.print(f"traced {result.traced_ops:,} ops in {result.seconds:.1f} s")
