@@ -240,7 +240,7 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
     from tests.conftest import write_tiny_llm
 
     model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 128, "intermediate_size": 256})
-    config = TrainConfig(model=str(model), max_length=16, effective_batch=4, task="causal-lm")
+    config = TrainConfig(model=str(model), max_length=16, effective_batch=2, task="causal-lm")
     traces: dict[Any, Estimate] = {}
 
     def planned(budget: int, **options: Any) -> Plan:
