@@ -17,7 +17,6 @@ from memfit.models import count_parameters, resolve_model
 from memfit.techniques.quantized_base import quantized_tensors
 from tests.conftest import TINY_BERT, write_model_dir, write_tiny_llm
 
-pytestmark = pytest.mark.xdist_group("lora")
 WIDE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4}
 
 
@@ -37,10 +36,8 @@ def build(config: TrainConfig, low_dtype: torch.dtype | None = torch.bfloat16) -
                                  low_dtype=low_dtype)
 
 
-SETUPS = {
-    "lora": {"lora_rank": 8, "precision": "bf16"},
+SETUPS = {  # QLoRA without checkpointing: tests/integration/test_lora_cli.py, against memfit train
     "lora-fp32-checkpointed": {"lora_rank": 8, "precision": "fp32", "checkpointing": "full"},
-    "qlora-nf4": {"lora_rank": 8, "quantize_base": "nf4", "precision": "bf16"},
     "qlora-nf4-checkpointed": {"lora_rank": 8, "quantize_base": "nf4", "precision": "bf16", "checkpointing": "full"},
     "qlora-int8": {"lora_rank": 8, "quantize_base": "int8", "precision": "bf16"},
     "adamw8bit": {"optimizer": "adamw8bit", "precision": "bf16"},

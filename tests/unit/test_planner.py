@@ -254,9 +254,9 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
     assert "--allow-lora (r=4) would not fit either" in probe.verdict
 
     between = (needs["lora"] + needs["full"]) // 2
-    lora = planned(between, allow_lora=True, allow_qlora=True).chosen
-    assert lora is not None and lora.family.technique == "lora" and lora.fits
-    assert planned(between, allow_lora=True).to_config().lora_rank == 4
+    lora = planned(between, allow_lora=True, allow_qlora=True)
+    assert lora.chosen is not None and lora.chosen.family.technique == "lora" and lora.chosen.fits
+    assert lora.to_config().lora_rank == 4
     refused = planned(between)
     assert refused.chosen is None and "--allow-lora (r=4) would fit" in refused.verdict
 
@@ -267,4 +267,3 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
     assert "full fine-tuning needs at least" in qlora_plan.verdict
     row = qlora_plan.chosen.to_dict()
     assert (row["lora_rank"], row["quantize_base"], row["offload_optimizer"]) == (4, "nf4", False)
-    assert planned(tight, allow_lora=True).chosen is None  # QLoRA not allowed: nothing
