@@ -155,3 +155,14 @@ def test_a_cuda_target_holds_the_dequantised_weight_while_a_4bit_matmul_runs(row
     output, weights = rows * 512 * 2, 256 * 512
     transients = 2 * (weights // 64) * 4 + weights * 2 if rows > 4 else 0
     assert tracker.peak_bytes - before == output + transients
+
+
+def test_a_paged_optimizer_keeps_its_big_states_out_of_the_cards_allocator(tmp_path: Path) -> None:
+    """On a CUDA target, paged AdamW8bit's two 8-bit states of every tensor of 100,000 elements or more live in
+    unified memory, which the driver pages to the host: the allocator's peak is that much lower."""
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 256, "intermediate_size": 512})
+    config = causal(model, optimizer="adamw8bit", precision="fp16")
+    plain = estimate(config, device="1080ti")
+    paged = estimate(causal(model, optimizer="paged-adamw8bit", precision="fp16"), device="1080ti")
+    big = [p.numel() for p in build(config, low_dtype=None).parameters() if p.numel() >= 100_000]
+    assert big and plain.peak_bytes - paged.peak_bytes == 2 * sum(big)

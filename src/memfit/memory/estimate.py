@@ -309,6 +309,9 @@ def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimi
     tracker.relabel([value for _, value in state], "optimizer_state")
     if host_step_counters:
         tracker.forget([value for key, value in state if key == "step"])
+        # a paged optimizer's big states live in CUDA unified memory, outside the caching allocator, which
+        # the driver pages out to the host when the card runs short: not part of the allocator's peak
+        tracker.forget(list(getattr(optimizer, "paged_states", ())))
 
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024

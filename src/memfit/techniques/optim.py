@@ -101,6 +101,10 @@ def advance_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
         scheduler.step()
 
 
+PAGED_MIN_ELEMENTS = 100_000
+"""bitsandbytes pages the 8-bit states of tensors of at least this many elements (smaller ones stay put)."""
+
+
 def _adamw8bit(groups: list[dict[str, Any]], *, lr: float, paged: bool) -> torch.optim.Optimizer:
     """bitsandbytes' (paged) AdamW8bit. Its two quantisation maps (256 values each) are computed from real
     numbers, then made as tensors where the optimizer is built: in the estimator's fake-tensor trace as in a
@@ -113,11 +117,22 @@ def _adamw8bit(groups: list[dict[str, Any]], *, lr: float, paged: bool) -> torch
     base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
 
     class AdamW8bit(base):  # type: ignore[misc,valid-type]
+        paged_states: tuple[torch.Tensor, ...] = ()
+
         def fill_qmap(self) -> None:
             with _disable_current_modes():
                 signed = bnb.functional.create_dynamic_map(signed=True).tolist()
                 unsigned = bnb.functional.create_dynamic_map(signed=False).tolist()
             self.name2qmap["dynamic"], self.name2qmap["udynamic"] = torch.tensor(signed), torch.tensor(unsigned)
+
+        def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            if p.device.type != "cpu" or not self.is_paged:
+                return super().get_state_buffer(p, dtype=dtype)
+            # a trace for a CUDA target (a run on CPU is refused): the buffer CUDA would page, noted as such
+            buffer = torch.zeros_like(p, dtype=dtype)
+            if p.numel() >= PAGED_MIN_ELEMENTS:
+                self.paged_states = (*self.paged_states, buffer)
+            return buffer
 
     optimizer: torch.optim.Optimizer = AdamW8bit(groups, lr=lr)
     return optimizer
