@@ -23,8 +23,8 @@ forward):
   and 10·B·H·S·S'·D backward (the kernels recompute QK^T, then four gradient matmuls), the counts
   FlashAttention's own papers use.
 - **4-bit matmuls (QLoRA).** bitsandbytes' CUDA ``gemm_4bit`` runs a fused kernel only for a handful of
-  rows (at most 4 everywhere; on sm75+ some shapes up to 1,536, by a per-card table this does not copy);
-  otherwise, and always on Pascal, it dequantises: an fp32 copy of the block scales, the same plus the
+  rows (up to 4 everywhere, 7 on cards before compute capability 7.0; on sm75+ some shapes up to 1,536, by
+  a per-card table this does not copy); otherwise it dequantises: an fp32 copy of the block scales, the same plus the
   offset, and the whole weight in the compute dtype, live while ``F.linear`` makes its output. The wrapper of
   ``bitsandbytes.matmul_4bit`` makes those transients around the CPU call. On sm75+ it is an upper bound
   (the fused kernel needs none).
@@ -170,7 +170,7 @@ class CudaEmulation:
                                                                         F.scaled_dot_product_attention))
         bnb = sys.modules.get("bitsandbytes")
         if bnb is not None:
-            self._swap(bnb, "matmul_4bit", _dequantising(bnb.matmul_4bit))
+            self._swap(bnb, "matmul_4bit", _dequantising(bnb.matmul_4bit, self.compute_capability))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -204,15 +204,19 @@ class CudaEmulation:
 
 
 FUSED_4BIT_ROWS = 4
-"""bitsandbytes' CUDA gemm_4bit runs its fused kernel (no dequantised copy) up to this many rows on any card."""
+"""bitsandbytes' CUDA gemm_4bit runs its fused kernel (no dequantised copy) up to this many rows on any card,
+and below :data:`FUSED_4BIT_ROWS_PRE_VOLTA` rows on cards older than compute capability 7.0."""
+FUSED_4BIT_ROWS_PRE_VOLTA = 8
 
 
-def _dequantising(matmul_4bit: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _dequantising(matmul_4bit: Callable[..., torch.Tensor],
+                  capability: tuple[int, int]) -> Callable[..., torch.Tensor]:
     """``matmul_4bit`` as CUDA's dequantising path allocates: its transients live while the output is made."""
     @functools.wraps(matmul_4bit)
     def run(A: torch.Tensor, B: torch.Tensor, quant_state: Any, out: torch.Tensor | None = None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-        if A.numel() // A.shape[-1] <= FUSED_4BIT_ROWS:
+        rows = A.numel() // A.shape[-1]
+        if rows <= FUSED_4BIT_ROWS or (capability < (7, 0) and rows < FUSED_4BIT_ROWS_PRE_VOLTA):
             return matmul_4bit(A, B, quant_state, out=out, bias=bias)
         transients = []
         if quant_state.nested:  # the block scales in fp32, then plus the offset
