@@ -267,3 +267,14 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
     assert "full fine-tuning needs at least" in qlora_plan.verdict
     row = qlora_plan.chosen.to_dict()
     assert (row["lora_rank"], row["quantize_base"], row["offload_optimizer"]) == (4, "nf4", False)
+
+
+def test_bitsandbytes_techniques_are_offered_only_where_its_kernels_run() -> None:
+    from memfit.planner.choose import adapter_problem, bitsandbytes_problem
+
+    maxwell = dataclasses.replace(PASCAL, compute_capability=(5, 2), description="test Maxwell card")
+    assert adapter_problem("qlora", PASCAL) is None and bitsandbytes_problem(PASCAL) is None  # a 1080 Ti: 6.1
+    assert adapter_problem("lora", maxwell) is None  # PEFT alone runs anywhere
+    problem = adapter_problem("qlora", maxwell)
+    assert problem is not None and "compute capability 6.0" in problem and "5.2" in problem
+    assert bitsandbytes_problem(maxwell) == problem

@@ -169,7 +169,8 @@ def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, all
     options: list[tuple[str, bool, list[Family]]] = [
         (f"--allow-freeze ({freeze})", allow_freeze,
          [dataclasses.replace(lean, freeze=freeze, checkpointing=c) for c in CHECKPOINTING]) for freeze in freezes]
-    if not optimizer_problems("adamw8bit"):
+    unsupported = bitsandbytes_problem(search.profile)
+    if not optimizer_problems("adamw8bit") and not unsupported:
         options.insert(0, ("--allow-8bit-optimizer", allow_8bit,
                            [dataclasses.replace(lean, optimizer="adamw8bit", checkpointing=c) for c in CHECKPOINTING]))
     advice = []
@@ -190,8 +191,13 @@ def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, all
             if chosen is not None:
                 return chosen, advice
     if optimizer_problems("adamw8bit"):
-        advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install bitsandbytes) to be planned")
+        advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install 'memfit[lora]') to be planned")
+    elif unsupported:
+        advice.append(f"--allow-8bit-optimizer: {unsupported}")
     return None, advice
+
+
+BITSANDBYTES_CAPABILITY = (6, 0)
 
 
 def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
@@ -229,8 +235,15 @@ def adapter_problem(technique: str, profile: DeviceProfile) -> str | None:
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         return "needs bitsandbytes (pip install 'memfit[lora]') to be planned"
+    return bitsandbytes_problem(profile)
+
+
+def bitsandbytes_problem(profile: DeviceProfile) -> str | None:
+    """Why bitsandbytes' 8-bit states and 4-bit weights cannot run on ``profile``'s card, or ``None``: its CUDA
+    kernels need compute capability 6.0 (Pascal) or newer. (torchao's low-bit optimizers, which compile Triton
+    kernels, would need 7.0: memfit does not use them, so a 1080 Ti gets bitsandbytes' states.)"""
     capability = profile.compute_capability
-    if capability is not None and capability < (6, 0):
-        return (f"bitsandbytes' 4-bit kernels need CUDA capability 6.0 or newer; {profile.description} has "
+    if capability is not None and capability < BITSANDBYTES_CAPABILITY:
+        return (f"bitsandbytes' CUDA kernels need compute capability 6.0 or newer; {profile.description} has "
                 f"{capability[0]}.{capability[1]}")
     return None
