@@ -70,7 +70,8 @@ class Plan:
 
         Trainer checkpoints every layer, so an every-2 plan becomes full checkpointing there (less memory,
         slower). A for-loop AdamW plan maps to fused AdamW, which keeps no gradient-sized temporaries either.
-        Freezing is not a training argument: a plan that freezes warns, and the caller freezes the model.
+        Freezing and adapters are not training arguments: a plan that freezes or trains LoRA warns, and the
+        caller freezes the model or wraps it with PEFT.
         """
         if self.chosen is None:
             raise ConfigError(self.verdict)
@@ -78,6 +79,12 @@ class Plan:
         if family.freeze != "none":
             warnings.warn(f"the plan freezes {family.freeze}: freeze those parameters (requires_grad=False) "
                           "before building the Trainer", stacklevel=2)
+        if family.lora_rank:
+            base = (" on a base loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+                    "bnb_4bit_use_double_quant=True)" if family.quantize_base == "nf4" else "")
+            warnings.warn(f"the plan trains LoRA adapters: wrap the model with peft.get_peft_model(model, "
+                          f"LoraConfig(r={family.lora_rank}, target_modules='all-linear')){base} before building "
+                          "the Trainer", stacklevel=2)
         optim = {"adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}.get(family.optimizer) or (
             "adamw_torch" if family.kernels == "foreach" else "adamw_torch_fused")
         config = from_mapping(self.config)
