@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit import names
 from memfit.errors import ConfigError
 from memfit.files import load_option_file
+
+if TYPE_CHECKING:
+    import torch
 
 NATIVE_BF16_CAPABILITY = (8, 0)
 PCIE3_BANDWIDTH = 12e9
@@ -41,6 +43,8 @@ class Device:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.kind)
 
     def describe(self) -> str:
@@ -52,6 +56,8 @@ class Device:
 
 def resolve_device(requested: str) -> Device:
     """The device ``auto | cpu | cuda`` stands for on this machine (a GPU profile name means ``cuda``)."""
+    import torch
+
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return Device(kind="cpu", name="cpu")
     if not torch.cuda.is_available():
@@ -79,6 +85,8 @@ def torch_arch_problem(capability: tuple[int, int], name: str, arch_list: list[s
     (``sm_60`` runs on a 6.1 card) or PTX of an equal or lower version, which the driver compiles on load.
     ``arch_list`` defaults to ``torch.cuda.get_arch_list()``; an empty one (a CPU build) says nothing.
     """
+    import torch
+
     arches = torch.cuda.get_arch_list() if arch_list is None else arch_list
     if not arches:
         return None
@@ -180,11 +188,19 @@ by ``benchmarks/distributed_overhead.py`` (benchmarks/results/distributed_overhe
 
 def _cpu_bf16_flops() -> float:
     """bf16 matmul rate of this CPU: 1.3x fp32 where oneDNN has native bf16 dot products (AVX512-BF16, AMX;
-    the fit above), else half (bf16 through conversions)."""
-    try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        native = False
+    the fit above), else half (bf16 through conversions). Read from the CPU's flags where Linux lists them
+    (importing torch to ask oneDNN takes seconds), else from oneDNN."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = set(cpuinfo.read_text(errors="replace").split())
+        native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    else:
+        import torch
+
+        try:
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            native = False
     return CPU_FP32 * (1.3 if native else 0.5)
 
 

@@ -5,6 +5,8 @@ Each view takes a rich ``Console`` and a result; :mod:`memfit.cli` chooses which
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -74,7 +76,12 @@ def print_devices(console: Console) -> None:
 
 
 def this_machine() -> str:
-    """The card this process sees, and whether the installed torch carries kernels for it."""
+    """The card this process sees, and whether the installed torch carries kernels for it. Without an NVIDIA
+    driver there is no card to ask torch about, and torch is not imported (it takes seconds)."""
+    linux_without_driver = sys.platform.startswith("linux") and not Path("/proc/driver/nvidia").exists() \
+        and not list(Path("/dev").glob("nvidia[0-9]*"))
+    if linux_without_driver or sys.platform == "darwin":
+        return "this machine: no NVIDIA driver, no CUDA device; memfit trains on the CPU"
     import torch
 
     from memfit.devices import profile_for, resolve_device

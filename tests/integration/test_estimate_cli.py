@@ -70,6 +70,21 @@ def test_devices_lists_every_profile() -> None:
         assert f"│ {name} " in result.stdout
 
 
+def test_help_and_devices_start_without_importing_torch() -> None:
+    """Importing torch takes seconds: ``memfit --help`` never needs it, nor ``memfit devices`` without a driver."""
+    import subprocess
+    import sys
+
+    commands = [["--help"]] + ([["devices"]] if not Path("/proc/driver/nvidia").exists() else [])
+    for command in commands:
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "memfit", *command], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "memfit.cli" in imported and "torch" not in imported, command
+
+
 def test_the_validation_harness_measures_what_the_estimate_predicts(tmp_path: Path) -> None:
     """benchmarks/validate_estimator.py's measurement, run on CPU: what a GPU run compares against."""
     import importlib.util
