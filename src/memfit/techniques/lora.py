@@ -15,8 +15,8 @@ top K blocks get adapters. A classification head is trained in full (PEFT's ``mo
 is saved in PEFT's format (``PeftModel.from_pretrained`` loads it); ``--merge`` also writes the base model
 with the update merged in.
 
-Applied after quantising the base (:mod:`memfit.techniques.quantized_base`) and freezing, before
-checkpointing.
+Applied last: after quantising the base (:mod:`memfit.techniques.quantized_base`), freezing and
+checkpointing (which transformers switches on in the blocks, where the adapters then sit).
 """
 
 from __future__ import annotations
