@@ -38,7 +38,7 @@ def fastest(model: str, profile: str, length: int, technique: str, cache: dict[A
     config = TrainConfig(model=model, task="causal-lm", max_length=length, effective_batch=EFFECTIVE_BATCH,
                          **TECHNIQUES[technique])
     started = time.perf_counter()
-    result: Plan = plan(config, device=profile, seq_len=length, cache=cache)
+    result: Plan = plan(config, device=profile, seq_len=length, cache=cache, suggest=False)
     row: dict[str, Any] = {"model": model, "profile": profile, "seq_len": length, "technique": technique,
                            "budget_bytes": result.budget_bytes, "usable_bytes": result.usable_bytes,
                            "seconds": round(time.perf_counter() - started, 1), "verdict": result.verdict}

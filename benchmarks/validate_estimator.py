@@ -13,7 +13,7 @@ predictions of the CUDA grid for ``--device`` with the measured columns left emp
 
     .venv/bin/python benchmarks/validate_estimator.py --dry-run --json benchmarks/results/validate_estimator_dry.json
     python benchmarks/validate_estimator.py --grid full --json results/validate_estimator_h200.json  # on a GPU
-    python benchmarks/validate_estimator.py --grid lora --json results/validate_lora_h200.json   # LoRA r=16 rows
+    python benchmarks/validate_estimator.py --grid lora --json results/validate_lora_h200.json   # LoRA, offload rows
     .venv/bin/python benchmarks/validate_estimator.py --measured results/validate_estimator_h200.json --device h200
 """
 
@@ -54,6 +54,7 @@ class Case:
     checkpointing: str
     train_top_layers: int | None = None
     lora_rank: int = 0
+    offload_optimizer: bool = False
 
     @property
     def vision(self) -> bool:
@@ -63,7 +64,7 @@ class Case:
         return TrainConfig(model=self.model, micro_batch_size=self.batch, effective_batch=self.batch,
                            max_length=self.length if not self.vision else 128, precision=self.precision,
                            checkpointing=self.checkpointing, train_top_layers=self.train_top_layers,
-                           lora_rank=self.lora_rank)
+                           lora_rank=self.lora_rank, offload_optimizer=self.offload_optimizer)
 
     def shape(self) -> dict[str, Any]:
         return {"seq_len": None if self.vision else self.length, "image_size": self.length if self.vision else None}
@@ -79,11 +80,14 @@ def cuda_grid(name: str) -> list[Case]:
     checkpointing = ("none", "full")
     if name == "tiny":
         return []
-    if name == "lora":  # LoRA r=16 on a 16-bit base (PEFT; QLoRA needs bitsandbytes on the card)
+    if name == "lora":  # LoRA r=16 on a 16-bit base (PEFT; QLoRA needs bitsandbytes on the card), and full
+        # fine-tuning with the optimizer offloaded to the host
         return [Case("smollm2-360m", 4, 512, "bf16", "none", lora_rank=16),
                 Case("smollm2-360m", 4, 512, "bf16", "full", lora_rank=16),
                 Case("qwen2.5-0.5b", 4, 512, "bf16", "full", lora_rank=16),
-                Case("llama-3.2-1b", 2, 1024, "bf16", "full", lora_rank=16)]
+                Case("llama-3.2-1b", 2, 1024, "bf16", "full", lora_rank=16),
+                Case("smollm2-360m", 4, 512, "fp32", "full", offload_optimizer=True),
+                Case("qwen2.5-0.5b", 4, 512, "bf16", "full", offload_optimizer=True)]
     # causal LMs (the LLM presets train as causal LMs): SmolLM2-360M, and Llama-3.2-1B with its top 4 layers
     # trained (the plan for 11 GiB at 1024 tokens), bf16 with checkpointing
     llms = [Case("smollm2-360m", 4, 512, "bf16", "full"), Case("llama-3.2-1b", 1, 1024, "bf16", "full", 4)]
@@ -178,6 +182,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              "predicted reserved | measured reserved | error |", "|" + "---|" * 12]
     for r in rows:
         model = f"{r['model']} LoRA r={r['lora_rank']}" if r.get("lora_rank") else r["model"]
+        model += " (optimizer offloaded)" if r.get("offload_optimizer") else ""
         lines.append(f"| {model} | {r['batch']} | {r['length']} | {r['precision']} | {r['checkpointing']} | "
                      f"{r['device']} | {cell(r['predicted_allocated_bytes'], True)} | "
                      f"{cell(r['measured_allocated_bytes'], True)} | {cell(r['allocated_error_percent'])} | "
@@ -190,7 +195,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=("tiny", "small", "full", "lora"), default="small",
                         help="the CUDA setups; tiny: none (a dry run measures only its CPU grid); lora: LoRA r=16 "
-                             "on four LLMs [small]")
+                             "on four LLMs, and two with the optimizer offloaded [small]")
     parser.add_argument("--dry-run", action="store_true", help="no CUDA: measure on CPU, predict the CUDA grid")
     parser.add_argument("--device", default="1080ti", help="profile predicted in a dry run [1080ti]")
     parser.add_argument("--memory-gib", type=float, help="cap this process's CUDA memory (e.g. 11 for a 1080 Ti)")
@@ -203,7 +208,8 @@ def main() -> int:
         target = resolve_profile(args.device)
         for earlier in json.loads(Path(args.measured).read_text())["rows"]:
             case = Case(earlier["model"], earlier["batch"], earlier["length"], earlier["precision"],
-                        earlier["checkpointing"], earlier.get("train_top_layers"), earlier.get("lora_rank", 0))
+                        earlier["checkpointing"], earlier.get("train_top_layers"), earlier.get("lora_rank", 0),
+                        earlier.get("offload_optimizer", False))
             measured = {"allocated": earlier["measured_allocated_bytes"],
                         "reserved": earlier["measured_reserved_bytes"]}
             rows.append(row(case, target, measured if isinstance(measured["allocated"], int) else None))

@@ -74,7 +74,8 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
         precision_name, precision_problems = resolve_precision(config.precision, device,
                                                                force_cpu_fp16=config.force_cpu_fp16)
         problems.lines.extend(precision_problems)
-    problems.lines.extend(optimizer_problems(config.optimizer, device.kind if device is not None else None))
+    problems.lines.extend(optimizer_problems(config.optimizer, device.kind if device is not None else None,
+                                             offload=config.offload_optimizer))
     spec = problems.collect(lambda: resolve_model(config.model, log=log))
     task = resolve_task(config, spec)
     data_problems = Problems()
@@ -201,4 +202,5 @@ def build_optimizer_for(model: nn.Module, config: TrainConfig, *,
     if foreach is None and not fused:
         foreach = foreach_default
     return build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
-                           momentum=config.momentum, foreach=foreach, fused=fused)
+                           momentum=config.momentum, foreach=foreach, fused=fused,
+                           offload=config.offload_optimizer)

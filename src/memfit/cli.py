@@ -129,6 +129,8 @@ def _optimizer_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -
     optim.add_argument("--optimizer", choices=OPTIMIZERS, help=f"[{defaults.optimizer}]")
     _bool_flag(optim, "fused", "AdamW's fused kernel: fastest, no temporaries [on in one process]")
     _bool_flag(optim, "foreach", "multi-tensor optimizer kernels (faster than a loop, higher step peak)")
+    _bool_flag(optim, "offload-optimizer", "CUDA: optimizer state and update on the host; the card keeps weights "
+                                           "and gradients (slower steps, same result) [off]")
     optim.add_argument("--lr", type=float, help=f"peak learning rate [{defaults.lr:g}]")
     optim.add_argument("--weight-decay", type=float, help=f"[{defaults.weight_decay}]")
     optim.add_argument("--warmup-ratio", type=float, help=f"[{defaults.warmup_ratio}]")
@@ -237,6 +239,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                                                                      "the embeddings or lower layers if needed")
     allowed.add_argument("--allow-8bit-optimizer", action="store_true", help="opt-in: 8-bit AdamW states if "
                                                                              "needed (bitsandbytes)")
+    allowed.add_argument("--allow-offload", action="store_true", help="opt-in: the optimizer's state and update on "
+                                                                      "the host (one CUDA card), if needed")
     allowed.add_argument("--allow-lora", action="store_true", help="opt-in: LoRA adapters, the base frozen in "
                                                                    "16 bits, when no full fine-tuning fits")
     allowed.add_argument("--allow-qlora", action="store_true", help="opt-in: LoRA on a 4-bit NF4 base "
@@ -320,7 +324,8 @@ def run_plan(args: argparse.Namespace) -> int:
     config = from_mapping({**values, **given})
     result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
                   margin=args.margin, allow_freeze=args.allow_freeze, allow_8bit_optimizer=args.allow_8bit_optimizer,
-                  allow_lora=args.allow_lora, allow_qlora=args.allow_qlora, lora_rank=args.lora_rank,
+                  allow_offload=args.allow_offload, allow_lora=args.allow_lora, allow_qlora=args.allow_qlora,
+                  lora_rank=args.lora_rank,
                   precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels,
                   gpus=args.gpus)
     if args.save:

@@ -126,6 +126,9 @@ class TrainConfig:
     foreach: bool | None = None
     """Multi-tensor (foreach) optimizer kernels: faster than a loop, but hold a temporary copy of the gradients
     during the step. ``None`` keeps torch's default (when the step is not fused)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer's state and run its update on the host, one process on a CUDA card: the card holds
+    weights and gradients only (:mod:`memfit.techniques.offload`)."""
     fused: bool | None = None
     """AdamW's fused kernel: the whole update in one kernel per parameter group, with no gradient-sized
     temporaries: the fastest and leanest step where torch has it (CPU and CUDA). ``None``: fused for AdamW in
@@ -328,6 +331,11 @@ def _check_step_kernels(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--fused is AdamW's kernel, not --optimizer {config.optimizer}'s; drop --fused")
     if config.fused and config.foreach:
         problems.add("--fused and --foreach are two implementations of the same step; give one of them")
+    if config.offload_optimizer and "8bit" in config.optimizer:
+        problems.add(f"--offload-optimizer runs torch's optimizers on the host; --optimizer {config.optimizer} keeps "
+                     "bitsandbytes' 8-bit states on the card: use one or the other")
+    if config.offload_optimizer and (config.distributed != "none" or config.world_size > 1):
+        problems.add("--offload-optimizer is for one process; with several GPUs use --distributed fsdp --cpu-offload")
 
 
 def _check_adapters(problems: Problems, config: TrainConfig) -> None:

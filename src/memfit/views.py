@@ -38,7 +38,8 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
         peak = "-" if candidate.predicted_peak_bytes is None else (
             ("" if candidate.exact else "~") + format_bytes(candidate.predicted_peak_bytes))
         speed = f"{candidate.relative_speed:.2f}x" if candidate.relative_speed is not None else "-"
-        optimizer = family.optimizer_label + ("" if family.freeze == "none" else f", freeze {family.freeze}") + (
+        optimizer = family.optimizer_label + (" on the host" if family.offload_optimizer else "") + (
+            "" if family.freeze == "none" else f", freeze {family.freeze}") + (
             f", {family.technique_label}" if family.lora_rank else "")
         ranks = f"{family.strategy}: " if family.ranks else ""
         table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
@@ -133,6 +134,7 @@ def print_estimate(console: Console, result: Any) -> None:
     console.print(f"[bold]memfit estimate[/]: {result.config['model']} on {result.device}, micro-batch "
                   f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}, "
                   f"checkpointing {result.config['checkpointing']}, {result.config['optimizer']}"
+                  + (" on the host" if result.config.get("offload_optimizer") else "")
                   + (f"; one rank of {result.world_size} ({result.distributed})" if result.distributed != "none"
                      else ""))
     table = Table()
@@ -145,6 +147,8 @@ def print_estimate(console: Console, result: Any) -> None:
     table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
     table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))
     table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))
+    if result.host_bytes:
+        table.add_row("host memory (offloaded optimizer)", format_bytes(result.host_bytes))
     console.print(table)
     phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in result.phases.items())
     console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})", soft_wrap=True)

@@ -42,11 +42,13 @@ def test_the_installed_torch_has_kernels_for_this_card() -> None:
     assert torch_arch_problem(device.compute_capability, device.name) is None
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_cuda_run_peaks_where_the_estimate_says(task: tuple[Path, Path], tmp_path: Path, precision: str) -> None:
+@pytest.mark.parametrize(("precision", "offload"), [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_a_cuda_run_peaks_where_the_estimate_says(task: tuple[Path, Path], tmp_path: Path, precision: str,
+                                                  offload: bool) -> None:
+    """Also with the optimizer offloaded to the host: its state is no longer on the card."""
     model, data = task
     config = tiny_config(model, data, tmp_path / "run", device="cuda", precision=precision, effective_batch=16,
-                         micro_batch_size=16, max_steps=2)
+                         micro_batch_size=16, max_steps=2, offload_optimizer=offload)
     summary = train(config, console=QUIET)
     assert summary.device.startswith(torch.cuda.get_device_name())
     measured = max(summary.peak_memory_by_phase[name] for name in TRAINING_PHASES)

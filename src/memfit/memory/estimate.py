@@ -51,7 +51,8 @@ from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, count_parameters, resolve_model, with_depth
 from memfit.quiet import quiet_imports
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
-from memfit.techniques.optim import build_scheduler
+from memfit.techniques.offload import OffloadedOptimizer
+from memfit.techniques.optim import build_scheduler, optimizer_problems
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, read_values
 
@@ -104,6 +105,9 @@ class Estimate:
     traced_samples: int
     """Samples the traced steps ran: ``flops / traced_samples`` is the FLOPs per sample."""
     seconds: float
+    host_bytes: int = 0
+    """Host memory the step keeps besides the device's: an offloaded optimizer's copies of the trained weights
+    and gradients (pinned) and its state (``--offload-optimizer``); 0 otherwise."""
 
     @property
     def total_bytes(self) -> int:
@@ -144,6 +148,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
         precision_name, precision_problems = resolve_precision(config.precision, profile.as_device(),
                                                                force_cpu_fp16=config.force_cpu_fp16)
         problems.lines.extend(precision_problems)
+        problems.lines.extend(optimizer_problems(config.optimizer, profile.kind, offload=config.offload_optimizer))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(shape_problems(spec, seq_len or config.max_length, image_size))
@@ -184,7 +189,8 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
                           lean_warmup=lean_warmup, padded=padded, layers=layers)
     profile, spec, length, size = trace.profile, trace.spec, trace.sequence_length, trace.image_size
     windows, window_items = trace.windows, trace.window_items
-    traced_samples = sum(window_items)  # before run_steps consumes the windows
+    # before run_steps consumes the windows; samples, not items (a causal LM's items are its labelled tokens)
+    traced_samples = sum(len(batch["labels"]) for window in windows for batch in window)
     traced_micro_steps = sum(len(window) for window in windows)
     precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
     allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
@@ -240,7 +246,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         dequantized_bytes=tracker.dequantized_bytes if count_flops else None,
         trainable_parameters=trainable, parameters=total, world_size=config.world_size, distributed=strategy,
         traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
-        seconds=time.perf_counter() - started)
+        seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes)
 
 
 def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, windows: list[list[Batch]],
@@ -275,6 +281,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
                 lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
     # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
     optimizer = build_optimizer_for(model, config, foreach_default=cuda)
+    if tracker is not None and isinstance(optimizer, OffloadedOptimizer):
+        optimizer.host_context = tracker.elsewhere  # its copies, state and update are the target's host's
     scheduler = build_scheduler(optimizer, total_steps=len(windows), warmup_ratio=config.warmup_ratio)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches

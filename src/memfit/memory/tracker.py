@@ -108,9 +108,17 @@ class StorageTracker(TorchDispatchMode):
         self.peak_breakdown: dict[str, int] = {}
         self.timeline: list[tuple[int, str | None]] | None = None
         """When a list: (live bytes, phase) after every allocation and free (:meth:`Monitor.start_timeline`)."""
+        self.host_bytes = 0
+        """Live bytes of the storages made inside :meth:`elsewhere` (the target's host memory)."""
+        self.host_peak_bytes = 0
+        self._host_sizes: dict[int, int] = {}
+        self._elsewhere = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._elsewhere:
+            self._track_host(tree_leaves(out))
+            return out
         self.op_count += 1
         if self._flop_formulas is not None:
             if func._overloadpacket in self._flop_formulas:
@@ -181,6 +189,32 @@ class StorageTracker(TorchDispatchMode):
             self.category_bytes[old] -= nbytes
             self.category_bytes[category] = self.category_bytes.get(category, 0) + nbytes
             self._categories[key] = category
+
+    @contextlib.contextmanager
+    def elsewhere(self) -> Iterator[None]:
+        """Ops inside run on the target's host, not on its device (an offloaded optimizer's step): what they
+        make counts as host memory (:attr:`host_bytes`), and they are not counted as the device's ops."""
+        outer, self._elsewhere = self._elsewhere, True
+        try:
+            yield
+        finally:
+            self._elsewhere = outer
+
+    def _track_host(self, leaves: list[Any]) -> None:
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
+                continue
+            storage = leaf.untyped_storage()
+            key = storage._cdata
+            if key in self._sizes or key in self._host_sizes:
+                continue
+            self._host_sizes[key] = storage.nbytes()
+            self.host_bytes += storage.nbytes()
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            weakref.finalize(storage, self._release_host, key)
+
+    def _release_host(self, key: int) -> None:
+        self.host_bytes -= self._host_sizes.pop(key, 0)
 
     def forget(self, tensors: list[torch.Tensor]) -> None:
         """Stop counting already-counted storages: they live elsewhere on the target (e.g. host-side scalars)."""

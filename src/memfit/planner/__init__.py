@@ -6,6 +6,8 @@ The effective batch is never changed: the planner only chooses how to compute it
   device's low precision: bf16 where native, else fp16 on CUDA), checkpointing (none, every 2nd layer, every
   layer), and the optimizer step's implementation (fused AdamW in one process; foreach kernels or a
   per-parameter loop otherwise, and a loop or fused step when nothing else fits);
+- opt-in, because it costs host memory and time: the optimizer's state and update on the host
+  (``allow_offload``, one CUDA card; the same update), tried first when nothing accuracy-neutral fits;
 - opt-in, because they change what is learned: freezing (``allow_freeze``: the embeddings, or all but the top
   half or quarter of the layers) and 8-bit optimizer states (``allow_8bit_optimizer``, needs bitsandbytes).
   They are a last resort: used only when no accuracy-neutral setup fits, least freezing first.
@@ -31,6 +33,8 @@ Cost model (all of it):
                                                                = the profile's dense FLOP/s for the dtype
              + (k·ops_micro + ops_optimizer)·τ                per-op host overhead: k micro-steps of a window
              + trainable·BYTES_PER_TRAINED_PARAMETER / BW     the optimizer's memory traffic
+               (offloaded: trainable·(8/host + BYTES_PER_TRAINED_PARAMETER/HOST_MEMORY_BANDWIDTH), fp32
+               gradients and weights over the host link, the update at host memory speed)
              + k·D / BW                                       QLoRA: D = bytes read and written per
                                                                micro-step to dequantise the 4-bit weights
                                                                (forward, backward, recompute), traced
@@ -54,7 +58,8 @@ exact traces, as is any faster setup whose line comes within ``BAND`` of the bud
 What only a GPU can confirm: EFFICIENCY and τ are typical eager-mode figures, not measured per card; the
 ranking depends on their ratio, the memory side does not. QLoRA's dequantisation is priced as memory traffic
 at the card's bandwidth, as bitsandbytes' dequantise-then-matmul path does it; its fused kernels for small
-batches are not modelled, and none of it has been measured on a GPU.
+batches are not modelled, and none of it has been measured on a GPU; nor has the offloaded optimizer's
+step (transfers and the host's update), priced at the profile's host-link and a typical host bandwidth.
 """
 
 from memfit.planner.choose import plan, plan_for_run

@@ -26,16 +26,19 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
          image_size: int | None = None, margin: float = 0.05, allow_freeze: bool = False,
          allow_8bit_optimizer: bool = False, allow_lora: bool = False, allow_qlora: bool = False,
+         allow_offload: bool = False,
          lora_rank: int = 16, precisions: tuple[str, ...] | None = None, num_labels: int = 2,
          cache: dict[Any, Estimate] | None = None, gpus: int | None = None, suggest: bool = True) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
     at ``effective_batch``; see the module docstring for the search and its cost model. ``allow_lora`` and
-    ``allow_qlora``: when no full fine-tuning fits, LoRA of ``lora_rank`` (then on a 4-bit base).
+    ``allow_qlora``: when no full fine-tuning fits, LoRA of ``lora_rank`` (then on a 4-bit base);
+    ``allow_offload``: full fine-tuning with the optimizer on the host (a CUDA card).
 
     ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
     ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
     on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's. ``suggest=False``: when
-    nothing fits, do not trace what LoRA and QLoRA would need (a training run, which cannot opt in to them)."""
+    nothing fits, trace only the opt-ins allowed, not what the others would need (a training run, which cannot
+    opt in to them; a table of one technique per cell)."""
     started = time.perf_counter()
     base = config or TrainConfig()
     base = dataclasses.replace(base, model=model or base.model, effective_batch=effective_batch or base.effective_batch,
@@ -68,14 +71,16 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
         chosen = search.best(confirmed=True)
     if chosen is None:
         chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
-                                  allow_8bit=allow_8bit_optimizer)
+                                  allow_8bit=allow_8bit_optimizer, allow_offload=allow_offload, suggest=suggest)
     if chosen is None and not base.lora_rank and base.world_size == 1 and (suggest or allow_lora or allow_qlora):
-        stages = {"lora": allow_lora, "qlora": allow_qlora}
+        stages = {name: allowed for name, allowed in (("lora", allow_lora), ("qlora", allow_qlora))
+                  if allowed or suggest}
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
                            optimizers=("adamw", "adamw8bit") if allow_8bit_optimizer else ("adamw",))
     techniques = {"lora": allow_lora, "qlora": allow_qlora, "full": True}
     ranked = rank_candidates(search, chosen, allowed=lambda f: (f.freeze == "none" or allow_freeze)
-                             and (f.optimizer != "adamw8bit" or allow_8bit_optimizer) and techniques[f.technique])
+                             and (f.optimizer != "adamw8bit" or allow_8bit_optimizer) and techniques[f.technique]
+                             and (allow_offload or not f.offload_optimizer))
     verdict = verdict_line(chosen, smallest, advice, usable, budget_bytes, margin)
     length = seq_len or base.max_length
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
@@ -160,9 +165,11 @@ def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> in
 
 
 def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, allow_freeze: bool,
-             allow_8bit: bool) -> tuple[Candidate | None, list[str]]:
-    """When nothing accuracy-neutral fits: what each opt-in needs at least; the least change that fits wins
-    if it is allowed, searched like the neutral families."""
+             allow_8bit: bool, allow_offload: bool = False,
+             suggest: bool = True) -> tuple[Candidate | None, list[str]]:
+    """When nothing accuracy-neutral fits: what each opt-in needs at least (``suggest=False``: each allowed
+    one); the least change that fits wins if it is allowed, searched like the neutral families. Offloading
+    the optimizer changes nothing learned, so it comes first; then 8-bit states, then freezing, least first."""
     assert smallest is not None
     lean = smallest.family
     freezes = list(dict.fromkeys(["embeddings", f"top-{max(1, num_layers // 2)}", f"top-{max(1, num_layers // 4)}"]))
@@ -173,8 +180,13 @@ def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, all
     if not optimizer_problems("adamw8bit") and not unsupported:
         options.insert(0, ("--allow-8bit-optimizer", allow_8bit,
                            [dataclasses.replace(lean, optimizer="adamw8bit", checkpointing=c) for c in CHECKPOINTING]))
+    if search.profile.kind == "cuda" and not lean.ranks and not lean.lora_rank:
+        options.insert(0, ("--allow-offload", allow_offload,
+                           [dataclasses.replace(lean, offload_optimizer=True, checkpointing=c) for c in CHECKPOINTING]))
     advice = []
     for label, allowed, families in options:
+        if not (allowed or suggest):
+            continue
         try:
             need = search.exact_candidate(families[-1], 1)  # full checkpointing, micro-batch 1: its least
         except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest

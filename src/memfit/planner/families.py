@@ -32,6 +32,8 @@ class Family:
     """LoRA adapters of this rank instead of training the weights (0: full fine-tuning)."""
     quantize_base: str = "none"
     """``nf4`` under LoRA: QLoRA's 4-bit base weights."""
+    offload_optimizer: bool = False
+    """The optimizer's state and update on the host (one CUDA card): the same update, slower steps."""
 
     @property
     def ranks(self) -> bool:
@@ -53,6 +55,17 @@ class Family:
         return self.freeze == "none" and self.optimizer != "adamw8bit" and not self.lora_rank
 
     @property
+    def opt_in(self) -> str | None:
+        """The planner flag this family needs, or ``None`` when it is always allowed."""
+        if self.lora_rank:
+            return f"--allow-{self.technique}"
+        if self.freeze != "none":
+            return "--allow-freeze"
+        if self.optimizer == "adamw8bit":
+            return "--allow-8bit-optimizer"
+        return "--allow-offload" if self.offload_optimizer else None
+
+    @property
     def optimizer_label(self) -> str:
         if self.optimizer == "adamw8bit":
             return "adamw8bit"
@@ -71,7 +84,7 @@ class Family:
             fused=self.kernels == "fused" and self.optimizer == "adamw", optimizer=self.optimizer,
             freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
             train_top_layers=top if top is not None else base.train_top_layers,
-            lora_rank=self.lora_rank, quantize_base=self.quantize_base)
+            lora_rank=self.lora_rank, quantize_base=self.quantize_base, offload_optimizer=self.offload_optimizer)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,7 +119,7 @@ class Candidate:
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
                 "distributed": self.family.strategy, "world_size": self.world_size,
                 "lora_rank": self.family.lora_rank, "quantize_base": self.family.quantize_base,
-                "offload_optimizer": False,
+                "offload_optimizer": self.family.offload_optimizer,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -119,9 +132,10 @@ class Candidate:
         ranks = f"{self.family.strategy}, " if self.family.ranks else ""
         per_rank = " per rank" if self.family.ranks else ""
         adapters = f", {self.family.technique_label}" if self.family.lora_rank else ""
+        host = " on the host" if self.family.offload_optimizer else ""
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
                 f"{self.family.precision}, checkpointing {self.family.checkpointing}, "
-                f"{self.family.optimizer_label}{freeze}{adapters}")
+                f"{self.family.optimizer_label}{host}{freeze}{adapters}")
 
 
 def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile) -> str:

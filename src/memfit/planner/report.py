@@ -85,6 +85,10 @@ class Plan:
             warnings.warn(f"the plan trains LoRA adapters: wrap the model with peft.get_peft_model(model, "
                           f"LoraConfig(r={family.lora_rank}, target_modules='all-linear')){base} before building "
                           "the Trainer", stacklevel=2)
+        if family.offload_optimizer:
+            warnings.warn("the plan keeps the optimizer's state on the host: Trainer does that only through "
+                          "DeepSpeed (ZeRO stage 2 with offload_optimizer device 'cpu'); or train with memfit "
+                          "--offload-optimizer", stacklevel=2)
         optim = {"adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}.get(family.optimizer) or (
             "adamw_torch" if family.kernels == "foreach" else "adamw_torch_fused")
         config = from_mapping(self.config)
@@ -126,7 +130,8 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
     family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], kernels=kernels,
                     freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
                     strategy=raw.get("distributed", "none"), lora_rank=raw.get("lora_rank", 0),
-                    quantize_base=raw.get("quantize_base", "none"))
+                    quantize_base=raw.get("quantize_base", "none"),
+                    offload_optimizer=raw.get("offload_optimizer", False))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
@@ -143,13 +148,12 @@ def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callab
     reference = chosen.predicted_samples_per_second if chosen else None
     for candidate in fitting + rest:
         if not allowed(candidate.family):
-            family = candidate.family
-            flag = (f"--allow-{family.technique}" if family.lora_rank else "--allow-freeze"
-                    if family.freeze != "none" else "--allow-8bit-optimizer")
-            candidate.reason = f"{'fits' if candidate.fits else 'does not fit'}; opt-in, needs {flag}"
+            candidate.reason = (f"{'fits' if candidate.fits else 'does not fit'}; opt-in, needs "
+                                f"{candidate.family.opt_in}")
         elif candidate is chosen:
             candidate.reason = "chosen: fastest that fits" + (
-                "" if candidate.family.accuracy_neutral else " (an opt-in: changes what is learned)")
+                " (an opt-in: changes what is learned)" if not candidate.family.accuracy_neutral else
+                " (an opt-in: host memory, slower steps)" if candidate.family.opt_in else "")
         elif candidate is runner_up:
             candidate.reason = "runner-up"
         elif candidate.fits:

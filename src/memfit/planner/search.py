@@ -169,7 +169,7 @@ class Search:
             peak, allocated = peak + extra, allocated + extra
         seconds = step_seconds(self.costs[family], self.profile, family.precision,
                                effective_batch=self.effective, accumulation_steps=steps, strategy=family.strategy,
-                               world_size=self.world_size)
+                               world_size=self.world_size, offload=family.offload_optimizer)
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
@@ -194,8 +194,9 @@ class Search:
         with checkpointing, ops with checkpointing and with autocast's casts."""
         rank = CHECKPOINTING.index(family.checkpointing)
         known = [(other, cost) for other, cost in self.costs.items()
-                 if (other.freeze, other.optimizer, other.lora_rank, other.quantize_base)
-                 == (family.freeze, family.optimizer, family.lora_rank, family.quantize_base)
+                 if (other.freeze, other.optimizer, other.lora_rank, other.quantize_base, other.offload_optimizer)
+                 == (family.freeze, family.optimizer, family.lora_rank, family.quantize_base,
+                     family.offload_optimizer)
                  and CHECKPOINTING.index(other.checkpointing) <= rank
                  and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
         flops = max((cost.flops_per_sample for _, cost in known), default=0.0)
@@ -208,7 +209,8 @@ class Search:
         bound = StepCost(flops_per_sample=flops, ops_per_micro_step=ops, ops_per_optimizer_step=step_ops,
                          trainable_parameters=trainable, parameters=parameters)
         return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
-                            accumulation_steps=1, strategy=family.strategy, world_size=self.world_size)
+                            accumulation_steps=1, strategy=family.strategy, world_size=self.world_size,
+                            offload=family.offload_optimizer)
 
     def best(self, *, confirmed: bool, where: Callable[[Family], bool] | None = None) -> Candidate | None:
         """The fastest fitting setup (``confirmed``: traced exactly; ``where``: of the families it accepts)."""

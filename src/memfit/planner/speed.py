@@ -44,13 +44,17 @@ class StepCost:
 
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
-                 accumulation_steps: int, strategy: str = "none", world_size: int = 1) -> float:
+                 accumulation_steps: int, strategy: str = "none", world_size: int = 1,
+                 offload: bool = False) -> float:
     """The cost model's time of one optimizer step of one rank (see the module docstring);
-    ``effective_batch`` is the samples this rank computes."""
+    ``effective_batch`` is the samples this rank computes; ``offload``: the optimizer's step on the host."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
-    traffic = (cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER
-               + accumulation_steps * cost.dequantized_bytes_per_micro_step) / profile.memory_bandwidth
+    optimizer = cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER / profile.memory_bandwidth
+    if offload:  # fp32 gradients to the host and weights back over PCIe, the update at host memory speed
+        optimizer = cost.trainable_parameters * (2 * 4 / profile.host_bandwidth
+                                                 + BYTES_PER_TRAINED_PARAMETER / HOST_MEMORY_BANDWIDTH)
+    traffic = optimizer + accumulation_steps * cost.dequantized_bytes_per_micro_step / profile.memory_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
     share = (world_size - 1) / world_size

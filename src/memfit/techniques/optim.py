@@ -30,16 +30,21 @@ from torch import nn
 from memfit.errors import ConfigError
 
 
-def optimizer_problems(name: str, device_kind: str | None = None) -> list[str]:
+def optimizer_problems(name: str, device_kind: str | None = None, *, offload: bool = False) -> list[str]:
     """What ``--optimizer name`` needs: bitsandbytes for the 8-bit ones, a CUDA device (``device_kind``, when
     known) for the paged one, whose states page between device and host memory through CUDA's unified
-    memory."""
+    memory, and for ``offload`` (``--offload-optimizer``), which moves them from a card to the host."""
+    problems = []
     if "8bit" in name and importlib.util.find_spec("bitsandbytes") is None:
-        return [f"--optimizer {name} needs bitsandbytes: pip install 'memfit[lora]' (or use --optimizer adamw)"]
-    if name == "paged-adamw8bit" and device_kind not in (None, "cuda"):
-        return [f"--optimizer paged-adamw8bit pages its states through CUDA unified memory, which a {device_kind} "
-                "device has not; use --optimizer adamw8bit"]
-    return []
+        problems.append(f"--optimizer {name} needs bitsandbytes: pip install 'memfit[lora]' (or use --optimizer "
+                        "adamw)")
+    elif name == "paged-adamw8bit" and device_kind not in (None, "cuda"):
+        problems.append(f"--optimizer paged-adamw8bit pages its states through CUDA unified memory, which a "
+                        f"{device_kind} device has not; use --optimizer adamw8bit")
+    if offload and device_kind not in (None, "cuda"):
+        problems.append(f"--offload-optimizer moves the optimizer's state from a CUDA card to host memory; on a "
+                        f"{device_kind} device it is in host memory already: drop --offload-optimizer")
+    return problems
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -64,10 +69,26 @@ def step_kernels(name: str, *, foreach: bool | None, fused: bool | None,
 
 
 def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float, momentum: float,
-                    foreach: bool | None, fused: bool = False) -> torch.optim.Optimizer:
+                    foreach: bool | None, fused: bool = False, offload: bool = False) -> torch.optim.Optimizer:
+    """``offload``: the same optimizer on the host (fused AdamW there, whatever ``fused`` says for the card),
+    behind :class:`~memfit.techniques.offload.OffloadedOptimizer`."""
     groups = [group for group in parameter_groups(model, weight_decay) if group["params"]]
     if not groups:
         raise ConfigError("every parameter is frozen: nothing to train; train more layers")
+    if offload:
+        from memfit.techniques.offload import OffloadedOptimizer
+
+        def on_host(host_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return build_optimizer_of(host_groups, name=name, lr=lr, momentum=momentum, foreach=None,
+                                      fused=name == "adamw")
+
+        return OffloadedOptimizer(groups, on_host, lr=lr)
+    return build_optimizer_of(groups, name=name, lr=lr, momentum=momentum, foreach=foreach, fused=fused)
+
+
+def build_optimizer_of(groups: list[dict[str, Any]], *, name: str, lr: float, momentum: float,
+                       foreach: bool | None, fused: bool) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over parameter ``groups``."""
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, foreach=foreach, fused=fused or None)
     if name == "sgd":
