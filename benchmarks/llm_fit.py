@@ -86,9 +86,9 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[dict[str, Any]] = json.loads(args.json.read_text())["rows"] if args.json.is_file() else []
     done = {(r["profile"], r["model"], r["seq_len"], r["technique"]) for r in rows}
-    for model in args.models:
-        for length in args.lengths:
-            for profile in args.profiles:
+    for profile in args.profiles:  # the 1080 Ti first: the reference card
+        for model in args.models:
+            for length in args.lengths:
                 cache: dict[Any, Estimate] = {}  # one card's traces, shared by its three techniques
                 for technique in args.techniques:
                     if (profile, model, length, technique) in done:

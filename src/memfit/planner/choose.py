@@ -55,20 +55,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                      num_labels=num_labels, cache=cache, layers=spec.num_layers)
     chosen_precisions = tuple(sorted((p for p in profile.precisions() if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
-    neutral = [Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
-                      optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base)
-               for s in strategies(base, profile) for p in chosen_precisions for c in CHECKPOINTING]
-    search.search(neutral)
+    chosen, smallest = _neutral(search, base, profile, chosen_precisions)
     advice: list[str] = []
-    chosen = search.best(confirmed=True)
-    smallest = None
-    if chosen is None:  # nothing accuracy-neutral fits: a leaner optimizer step, then the opt-ins
-        smallest = search.smallest(neutral)
-        for kernels in leaner_kernels(smallest.family):
-            leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels), 1)
-            if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
-                smallest = leaner
-        chosen = search.best(confirmed=True)
     if chosen is None:
         chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
                                   allow_8bit=allow_8bit_optimizer, allow_offload=allow_offload, suggest=suggest)
@@ -89,6 +77,25 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                 image_size=(image_size or int(spec.hf_config.image_size)) if spec.modality == "vision" else None,
                 verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
                 config=base.to_dict())
+
+
+def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile,
+             precisions: tuple[str, ...]) -> tuple[Candidate | None, Candidate | None]:
+    """(the fastest accuracy-neutral setup that fits, or ``None``; when none does, the least any needs, with
+    the leanest optimizer step)."""
+    neutral = [Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
+                      optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base)
+               for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING]
+    search.search(neutral)
+    chosen = search.best(confirmed=True)
+    if chosen is not None:
+        return chosen, None
+    smallest = search.smallest(neutral)
+    for kernels in leaner_kernels(smallest.family):
+        leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels), 1)
+        if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
+            smallest = leaner
+    return search.best(confirmed=True), smallest
 
 
 def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Plan]:
