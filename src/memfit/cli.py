@@ -250,6 +250,8 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--config", help="TOML/YAML/JSON file with train options to plan for")
     out.add_argument("--top", type=int, default=12, help="candidate rows to print [12]")
     out.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    out.add_argument("--emit", choices=("table", "trainer"), default="table",
+                     help="trainer: print the plan as Python for a transformers Trainer script [table]")
     out.add_argument("--save", metavar="PLAN_JSON", help="write the plan for memfit train --plan")
 
 
@@ -332,6 +334,10 @@ def run_plan(args: argparse.Namespace) -> int:
         result.save(args.save)
     if args.json:
         print(json.dumps(result.to_dict()))
+    elif args.emit == "trainer" and result.chosen is not None:
+        from memfit.integrations.trainer_plan import trainer_snippet
+
+        print(trainer_snippet(result))
     else:
         print_plan(Console(width=max(Console().width, 150)), result, top=args.top)
         if args.save:

@@ -1,0 +1,262 @@
+"""The step a ``transformers.Trainer`` runs, traced with fake tensors: what :class:`MemfitCallback` predicts.
+
+Not memfit's engine step but the Trainer's own code, on the Trainer's own model and collator:
+
+- the batch: the collator's batch of the ``per_device_train_batch_size`` longest training examples (the
+  widest batch it will build), once per micro-step of a window, all alive through the window as the Trainer
+  prefetches them (``get_batch_samples``), with its ``num_items_in_batch``, and one more: accelerate's
+  dataloader holds the next batch while it yields the current one;
+- the model: the Trainer's (wrapped) model with every parameter and buffer swapped for a fake tensor of the
+  same shape, dtype and ``requires_grad`` for the trace, so checkpointing, PEFT adapters, frozen weights and
+  accelerate's autocast wrapper are the run's;
+- ``Trainer.training_step`` for each micro-batch, ``Trainer._clip_grad_norm`` and the optimizer that
+  ``Trainer.create_optimizer`` builds from ``args.optim``, stepped twice: the second step is the steady
+  state (the optimizer's state exists), and its peak is the prediction.
+
+On a CUDA target (the Trainer runs on a card, or ``profile`` names one) the trace runs on CPU fake tensors
+with memfit's CUDA emulation and caching-allocator model (:mod:`memfit.memory.emulation`), autocast on the
+trace device in place of accelerate's CUDA one, as ``memfit estimate`` traces a card. Nothing of the real
+model or optimizer changes: the fake tensors are swapped back out when the trace ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from memfit.devices import DeviceProfile
+from memfit.errors import ConfigError
+from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory.emulation import CudaEmulation, cublas_workspaces
+from memfit.memory.estimate import CATEGORIES, label_optimizer_state
+from memfit.memory.mask_values import unpadded_masks
+from memfit.memory.tracker import StorageTracker
+
+STEPS = 2
+"""Optimizer steps traced: the first makes the optimizer's state, the second is the steady state."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerStepEstimate:
+    """The predicted peak of a Trainer's training step (the steady state: optimizer step 2 on)."""
+
+    peak_bytes: int
+    """Peak allocated bytes (the tracked live bytes on CPU)."""
+    peak_reserved_bytes: int
+    non_pytorch_bytes: int
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    device: str
+    micro_batch_size: int
+    accumulation_steps: int
+    sequence_length: int
+    precision: str
+    optimizer: str
+
+    @property
+    def total_bytes(self) -> int:
+        """What must fit the card: the allocator's reserve plus the CUDA context."""
+        return self.peak_reserved_bytes + self.non_pytorch_bytes
+
+
+def widest_batch(trainer: Any) -> tuple[dict[str, torch.Tensor], bool]:
+    """The collator's batch of the ``per_device_train_batch_size`` longest training examples: the widest
+    batch the Trainer will build (its dataloader is not touched, so the run's data order stays the same);
+    and whether no batch is ever padded (every example as long, the widest batch's mask all ones)."""
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ConfigError("the Trainer has no train_dataset: memfit estimates the training step from its examples")
+    dataset = trainer._remove_unused_columns(dataset, description="training")
+    lengths = [len(ids) for ids in (dataset["input_ids"] if hasattr(dataset, "column_names")
+                                    else (example["input_ids"] for example in dataset))]
+    if not lengths:
+        raise ConfigError("the Trainer's train_dataset is empty: nothing to estimate")
+    count = min(trainer.args.per_device_train_batch_size, len(lengths))
+    longest = sorted(range(len(lengths)), key=lambda index: -lengths[index])[:count]
+    batch = trainer.data_collator([dataset[index] for index in longest])
+    mask = batch.get("attention_mask")
+    unpadded = len(set(lengths)) == 1 and (not isinstance(mask, torch.Tensor) or bool(mask.all()))
+    return {name: value for name, value in batch.items() if isinstance(value, torch.Tensor)}, unpadded
+
+
+def trace_trainer_step(trainer: Any, profile: DeviceProfile) -> TrainerStepEstimate:
+    """Trace ``trainer``'s training step for ``profile`` (see the module docstring)."""
+    args = trainer.args
+    model: nn.Module = trainer.model_wrapped
+    if any(type(p).__name__ == "Params4bit" or getattr(p, "quant_state", None) is not None
+           for p in model.parameters()):
+        raise ConfigError("the Trainer's model has 4-bit (bitsandbytes) weights: memfit does not trace a Trainer's "
+                          "QLoRA step yet; estimate it with memfit estimate --quantize-base nf4")
+    batch, unpadded = widest_batch(trainer)
+    accumulation = args.gradient_accumulation_steps
+    with _disable_current_modes():
+        num_items = trainer._get_num_items_in_batch([batch] * accumulation, torch.device("cpu"))
+    cuda = profile.kind == "cuda"
+    allocator = CachingAllocatorModel() if cuda else None
+    tracker = StorageTracker(allocator=allocator)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        fakes = _fake_tensors(model)
+        tr_loss = torch.zeros(())  # the Trainer's running loss, made before its first step
+    emulation = CudaEmulation(profile.compute_capability) if cuda and profile.compute_capability else None
+    saved = _bookkeeping(trainer)
+    trainer.optimizer = None
+    try:
+        with fake_mode, _reparametrize_module(model, fakes, tie_weights=True), \
+                _autocast_on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
+                unpadded_masks() if unpadded else contextlib.nullcontext(), \
+                tracker, emulation or contextlib.nullcontext(), _PlaceholderReads():
+            workspace_bytes = _workspaces(model, emulation, allocator, recompute=args.gradient_checkpointing)
+            _run(trainer, model, batch, num_items, tr_loss, tracker, fake_mode, cuda=cuda)
+    finally:
+        vars(trainer).update(saved)
+    peak = tracker.peak_bytes + workspace_bytes
+    phases = {name: value + workspace_bytes for name, value in tracker.phase_peaks.items()}
+    breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
+    breakdown["workspaces"] += workspace_bytes
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    return TrainerStepEstimate(
+        peak_bytes=peak, peak_reserved_bytes=allocator.peak_reserved_bytes if allocator is not None else peak,
+        non_pytorch_bytes=profile.non_pytorch_bytes, breakdown=breakdown, phases=phases,
+        peak_phase=max(phases, key=lambda name: phases[name]), device=profile.name,
+        micro_batch_size=int(next(iter(batch.values())).shape[0]), accumulation_steps=accumulation,
+        sequence_length=int(batch["input_ids"].shape[-1]), precision=precision,
+        optimizer=getattr(args.optim, "value", str(args.optim)))
+
+
+def _bookkeeping(trainer: Any) -> dict[str, Any]:
+    """Copies of what the traced step may change on ``trainer``: its optimizer and its counters and metric
+    lists (TRL's trainers append token counts and accuracies in ``compute_loss``), restored after the trace."""
+    kept = (int, float, dict, list)
+    return {"optimizer": trainer.optimizer, **{name: copy.deepcopy(value) for name, value in vars(trainer).items()
+                                               if type(value) in kept or isinstance(value, collections.defaultdict)}}
+
+
+class _PlaceholderReads(TorchDispatchMode):
+    """A value read from a fake tensor (``.item()``, ``bool()``) is 1 (``True``, ``1.0``): the step's metrics
+    and checks read values that a trace has not; what they compute is restored afterwards
+    (:func:`_bookkeeping`), and the memory of the step does not depend on them."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fake_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A fake CPU tensor per parameter (a parameter, with its ``requires_grad``) and buffer of ``model``."""
+    fakes: dict[str, torch.Tensor] = {}
+    for name, parameter in model.named_parameters():
+        fake = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype)
+        fakes[name] = nn.Parameter(fake, requires_grad=parameter.requires_grad)
+    for name, buffer in model.named_buffers():
+        fakes[name] = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype)
+    return fakes
+
+
+@contextlib.contextmanager
+def _autocast_on_trace_device(model: nn.Module, trainer: Any, *, cuda: bool) -> Iterator[None]:
+    """A Trainer on a card autocasts with CUDA's autocast, which does not reach the trace's CPU tensors: the
+    trace runs accelerate's wrapper rebuilt with the trace device's autocast (memfit's emulation makes up the
+    difference between the two)."""
+    original = getattr(model, "_original_forward", None)
+    mixed = trainer.accelerator.mixed_precision
+    if not cuda or original is None or mixed not in ("fp16", "bf16"):
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    dtype = torch.float16 if mixed == "fp16" else torch.bfloat16
+    wrapped = model.forward
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(original))
+    try:
+        yield
+    finally:
+        model.forward = wrapped
+
+
+def _workspaces(model: nn.Module, emulation: CudaEmulation | None, allocator: CachingAllocatorModel | None, *,
+                recompute: bool) -> int:
+    """cuBLAS's workspaces on a CUDA target (made in the first step, kept): memfit's estimator's figures."""
+    if emulation is None or allocator is None:
+        return 0
+    biased = any(isinstance(module, nn.Linear) and module.bias is not None for module in model.modules())
+    sizes = cublas_workspaces(emulation.compute_capability, biased_linear=biased, recompute=recompute)
+    return sum(allocator.allocate(-100 - key, size) for key, size in enumerate(sizes))
+
+
+class _Phases:
+    """forward from the model's forward pre-hook to its forward hook, backward from there to the end of the
+    micro-step (with checkpointing, recomputation runs inside the layers, not through these hooks)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self.current: contextlib.AbstractContextManager[None] | None = None
+
+    def enter(self, name: str) -> None:
+        self.leave()
+        self.current = self.tracker.phase(name)
+        self.current.__enter__()
+
+    def leave(self) -> None:
+        if self.current is not None:
+            self.current.__exit__(None, None, None)
+            self.current = None
+
+
+def _run(trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_items: Any, tr_loss: torch.Tensor,
+         tracker: StorageTracker, fake_mode: FakeTensorMode, *, cuda: bool) -> None:
+    """The Trainer's loop body for :data:`STEPS` windows, on the fake model inside ``tracker``."""
+    tracker.track_module(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
+        parameter.register_post_accumulate_grad_hook(
+            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
+    phases = _Phases(tracker)
+    hooks = [model.register_forward_pre_hook(lambda *_: phases.enter("forward")),
+             model.register_forward_hook(lambda *_: phases.enter("backward"))]
+    fake_items = fake_mode.from_tensor(num_items) if isinstance(num_items, torch.Tensor) else num_items
+    optimizer = trainer.create_optimizer(getattr(trainer.accelerator, "unwrap_model", lambda m: m)(model))
+    # the loop's variables that outlive their statement: the last micro-step's loss, the last clip's norm
+    step_loss = grad_norm = None
+    # accelerate's dataloader fetches one batch ahead of the one it yields: one more batch is always alive
+    ahead = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in batch.items()}
+    tracker.relabel(list(ahead.values()), "inputs")
+    try:
+        for step in range(1, STEPS + 1):
+            window = [{name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in batch.items()}
+                      for _ in range(trainer.args.gradient_accumulation_steps)]
+            tracker.relabel([t for micro in window for t in micro.values()], "inputs")
+            for inputs in window:
+                step_loss = trainer.training_step(model, inputs, fake_items)
+                tr_loss += step_loss
+                phases.leave()
+            with tracker.phase("optimizer"):
+                if trainer.args.max_grad_norm > 0:
+                    grad_norm = trainer._clip_grad_norm(model)
+                optimizer.step()
+                label_optimizer_state(tracker, optimizer, host_step_counters=cuda and not
+                                      optimizer.defaults.get("fused"))
+                model.zero_grad()
+            del window
+            if step == 1:
+                tracker.reset_peaks()
+    finally:
+        phases.leave()
+        for hook in hooks:
+            hook.remove()
+        del step_loss, grad_norm, ahead
+
+

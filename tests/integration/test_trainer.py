@@ -1,0 +1,155 @@
+"""memfit inside a real ``transformers.Trainer`` on CPU: the callback's prediction of the Trainer's own step
+against what the run measures, the values reaching reporters, the budget stop, and planned arguments that
+Trainer runs with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from memfit.integrations.transformers import KEYS, MemfitCallback  # first: quiet imports of Trainer's libraries
+from tests.conftest import TINY_LLAMA
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+LENGTH = 24
+
+
+def _model() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "architectures"},
+                                      vocab_size=512)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _dataset(count: int = 32) -> Any:
+    generator = torch.Generator().manual_seed(0)
+    return datasets.Dataset.from_list([{"input_ids": torch.randint(3, 512, (LENGTH,), generator=generator).tolist()}
+                                       for _ in range(count)])
+
+
+def _collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([item["input_ids"] for item in items])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _trainer(tmp_path: Any, model: Any = None, callbacks: list[Any] | None = None, **arguments: Any) -> Any:
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "max_steps": 3, "logging_steps": 1, "report_to": "none", "use_cpu": True, "save_strategy": "no",
+        "disable_tqdm": True, **arguments})
+    return transformers.Trainer(model=model or _model(), args=args, train_dataset=_dataset(),
+                                data_collator=_collate, callbacks=callbacks)
+
+
+class _Reporter(transformers.TrainerCallback):
+    """Stands for a reporting integration: added at construction, so it runs before callbacks added later."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+               **kwargs: Any) -> None:
+        self.received.append(dict(logs or {}))
+
+
+SETUPS = [(False, False, "adamw_torch"), (False, True, "adamw_torch_fused"), (True, False, "adamw_torch_fused"),
+          (True, True, "adamw_torch")]
+
+
+@pytest.mark.parametrize(("bf16", "checkpointing", "optim"), SETUPS,
+                         ids=[f"{'bf16' if b else 'fp32'}-{'ckpt' if c else 'plain'}-{o}" for b, c, o in SETUPS])
+def test_the_trainers_step_peaks_where_the_callback_predicts(tmp_path: Any, capsys: pytest.CaptureFixture[str],
+                                                             bf16: bool, checkpointing: bool, optim: str) -> None:
+    reporter = _Reporter()
+    trainer = _trainer(tmp_path, callbacks=[reporter], bf16=bf16, gradient_checkpointing=checkpointing, optim=optim)
+    callback = MemfitCallback.attach(trainer)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3 and all(set(KEYS) <= entry.keys() for entry in logged)
+    assert [set(KEYS) <= logs.keys() for logs in reporter.received if "loss" in logs] == [True] * 3
+    predicted = logged[0]["memfit/predicted_peak_bytes"]
+    assert callback.predicted is not None and predicted == callback.predicted.peak_bytes
+    # steps 2 and 3: the steady state (step 1 makes the optimizer's state only in its optimizer step)
+    errors = [entry["memfit/peak_error"] for entry in logged[1:]]
+    # an unpadded step's all-ones mask is skipped by value in the run; the trace, which cannot read it, keeps
+    # a few hundred bytes of mask work without checkpointing (0.08 % here), 4 bytes with it
+    assert all(abs(error) < 0.001 for error in errors), errors
+    assert logged[1]["memfit/peak_bytes"] == pytest.approx(predicted, rel=0.001)
+    err = capsys.readouterr().err
+    assert "memfit: this Trainer's step" in err and "warning" not in err
+    assert "quantization-bitsandbytes" not in err and "_C_mxfp8" not in err
+
+
+def test_an_over_budget_step_stops_before_the_first_step(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = _trainer(tmp_path)
+    MemfitCallback.attach(trainer, budget=1_300_000)  # the step needs about 1.5 MiB; micro-batch 2 fits
+    with pytest.raises(SystemExit) as stopped:
+        trainer.train()
+    assert stopped.value.code == 2 and trainer.state.global_step == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memfit: error:")]
+    assert len(lines) == 1 and "over the budget of 1.2 MiB" in lines[0]
+    assert "a plan that fits (effective batch 8 kept" in lines[0] and "per_device_train_batch_size=" in lines[0]
+
+
+def test_planned_arguments_build_training_arguments_that_run(tmp_path: Any) -> None:
+    from memfit.integrations.trainer_plan import plan_trainer_arguments
+
+    model = _model()
+    planned = plan_trainer_arguments(model, budget="2GiB", effective_batch=8, seq_len=LENGTH, device="cpu")
+    assert planned.lora_config is None and planned.plan.chosen is not None
+    arguments = planned.training_arguments
+    assert arguments["per_device_train_batch_size"] * arguments["gradient_accumulation_steps"] == 8
+    trainer = _trainer(tmp_path, model=model, **{**arguments, "max_steps": 1})
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_trls_sft_trainer_gets_the_same_callback(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """SFTTrainer's own step (its loss over a fused LM head, its token metrics) is traced as it runs; the
+    metrics it computes from values during the trace are put back, so its logs are the run's own."""
+    trl = pytest.importorskip("trl")
+    from tests.conftest import FILLER, write_tiny_llm
+
+    directory = write_tiny_llm(tmp_path / "llm")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer.eos_token, tokenizer.pad_token = "[SEP]", "[PAD]"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    texts = datasets.Dataset.from_list([{"text": " ".join(FILLER[(i + j) % len(FILLER)] for j in range(12))}
+                                        for i in range(48)])  # every text as long: every batch the widest
+    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         max_steps=3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                         disable_tqdm=True, bf16=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tokenizer)
+    MemfitCallback.attach(trainer)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3 and all(set(KEYS) <= entry.keys() for entry in logged)
+    assert all(abs(entry["memfit/peak_error"]) < 0.001 for entry in logged[1:]), logged
+    tokens = [entry["num_tokens"] for entry in logged]
+    assert tokens[0] > 8 and tokens == sorted(tokens)  # real token counts, not the trace's placeholders
+    assert "memfit: this Trainer's step" in capsys.readouterr().err
+
+
+def test_a_lora_plan_emits_python_that_builds_the_trainer_arguments_and_the_adapters(tmp_path: Any) -> None:
+    from memfit import TrainConfig
+    from memfit.integrations.trainer_plan import trainer_snippet
+    from memfit.planner import plan
+    from tests.conftest import write_tiny_llm
+
+    directory = write_tiny_llm(tmp_path / "llm")
+    made = plan(TrainConfig(model=str(directory), task="causal-lm", lora_rank=4, max_length=16, effective_batch=4),
+                device="cpu", budget="1GiB", seq_len=16, precisions=("fp32",))
+    snippet = trainer_snippet(made)
+    assert "peft.LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', task_type='CAUSAL_LM')" in snippet
+    namespace: dict[str, Any] = {"model": transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(directory))}
+    exec(compile(snippet.replace('output_dir="out"', f'output_dir="{tmp_path / "out"}"'), "<plan>", "exec"),
+         namespace)
+    arguments = namespace["arguments"]
+    assert arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps == 4
+    assert type(namespace["model"]).__name__ == "PeftModelForCausalLM"
