@@ -51,12 +51,8 @@ def test_decoder_estimates_equal_real_cpu_steps(tmp_path: Path, family: str, pre
     config = TrainConfig(model=str(model), task="causal-lm", effective_batch=8, micro_batch_size=micro,
                          max_length=32, precision=precision, checkpointing=checkpointing)
     predicted, measured = estimate(config), estimate(config, execute=True)
-    if checkpointing == "full" and micro == 1:
-        # the one known gap: an unpadded checkpointed forward builds one S x S bool causal mask in a trace
-        # (transformers cannot read a fake position offset) that the real step skips
-        assert predicted.phases["forward"] - measured.phases["forward"] == 32 * 32
-        assert predicted.phases["optimizer"] == measured.phases["optimizer"]
-        return
+    # micro-batch 1 is never padded: its checkpointed forward skips the causal mask in the trace as in the real
+    # step, because the trace answers transformers' value questions as the real step does (memory.mask_values)
     assert predicted.breakdown == measured.breakdown
     assert predicted.peak_bytes == measured.peak_bytes
     assert predicted.phases == measured.phases

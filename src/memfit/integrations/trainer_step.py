@@ -39,7 +39,7 @@ from memfit.errors import ConfigError
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.estimate import CATEGORIES, label_optimizer_state
-from memfit.memory.mask_values import unpadded_masks
+from memfit.memory.mask_values import known_masks
 from memfit.memory.tracker import StorageTracker
 
 STEPS = 2
@@ -115,7 +115,7 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile) -> TrainerStepEstim
     try:
         with fake_mode, _reparametrize_module(model, fakes, tie_weights=True), \
                 _autocast_on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
-                unpadded_masks() if unpadded else contextlib.nullcontext(), \
+                known_masks(all_ones=unpadded), \
                 tracker, emulation or contextlib.nullcontext(), _PlaceholderReads():
             workspace_bytes = _workspaces(model, emulation, allocator, recompute=args.gradient_checkpointing)
             _run(trainer, model, batch, num_items, tr_loss, tracker, fake_mode, cuda=cuda)

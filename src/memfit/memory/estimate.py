@@ -47,6 +47,7 @@ from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
+from memfit.memory.mask_values import known_masks
 from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, count_parameters, resolve_model, with_depth
 from memfit.quiet import quiet_imports
@@ -212,7 +213,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
-        with tracker, emulation or contextlib.nullcontext():
+        with tracker, emulation or contextlib.nullcontext(), known_masks():
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,

@@ -3,10 +3,11 @@
 A decoder's attention takes SDPA's mask-free ``is_causal`` path when transformers, reading the batch, finds
 no padding (an all-ones 2-D mask, or none), no packed sequences (contiguous position ids) and no cache offset.
 A fake tensor has no values, and transformers treats one as a compiler's trace (``is_tracing``): it always
-builds the 4-D mask instead, a mask the real step never makes. When the trace knows the batch is unpadded
-(every text fills the length, as its real batch shows), :func:`unpadded_masks` answers those two questions
-as the real step would: no packed sequences, and the causal mask skipped when the real step would skip it
-(query as long as the keys, no padding, offset 0 in training).
+builds the 4-D mask instead, a mask the real step never makes. :func:`known_masks` answers those questions
+as the real training step would: a batch without a mask has contiguous positions (no packed sequences), a
+training forward starts at offset 0, and, when the trace knows the batch's mask is all ones (its real
+batch shows it), the mask is no padding; a mask with padding stays unread, and the 4-D mask is built, as in
+the real step.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 
 @contextlib.contextmanager
-def unpadded_masks() -> Iterator[None]:
-    """Inside, transformers' mask decisions on fake tensors are those of an unpadded training batch."""
+def known_masks(*, all_ones: bool = False) -> Iterator[None]:
+    """Inside, transformers' mask decisions on fake tensors are those of the real training step (``all_ones``:
+    the batch's attention mask, when it has one, holds no padding)."""
     try:
         from transformers import masking_utils
     except ImportError:  # pragma: no cover - transformers without its masking module
@@ -31,7 +33,7 @@ def unpadded_masks() -> Iterator[None]:
 
     def ignore_causal_mask(padding_mask: torch.Tensor | None, q_length: int, kv_length: int, q_offset: Any,
                            kv_offset: int, local_attention_size: int | None = None) -> bool:
-        if isinstance(padding_mask, FakeTensor):
+        if isinstance(padding_mask, FakeTensor) and all_ones:
             padding_mask = None  # all ones: the batch is unpadded
         if isinstance(q_offset, FakeTensor):
             q_offset = 0  # a training forward starts at position 0
