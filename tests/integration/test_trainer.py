@@ -95,6 +95,36 @@ def test_an_over_budget_step_stops_before_the_first_step(tmp_path: Any, capsys: 
     assert "a plan that fits (effective batch 8 kept" in lines[0] and "per_device_train_batch_size=" in lines[0]
 
 
+def test_a_card_is_predicted_with_memfits_cuda_emulation(tmp_path: Any) -> None:
+    """``device_profile``: the step as it would run on that card (allocator blocks, cuBLAS workspaces, the CUDA
+    context), while this CPU run measures its own."""
+    trainer = _trainer(tmp_path, max_steps=1)
+    card = MemfitCallback.attach(trainer, device_profile="1080ti", budget="11GiB")
+    trainer.train()
+    assert card.predicted is not None and card.predicted.device == "1080ti" and trainer.state.global_step == 1
+    assert card.predicted.breakdown["workspaces"] > 0 and card.predicted.non_pytorch_bytes > 0
+    assert card.predicted.peak_reserved_bytes >= card.predicted.peak_bytes
+
+
+class _Optimistic(MemfitCallback):
+    """Predicts half the real step, so that the measurement exceeds it."""
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        import dataclasses
+
+        super().on_train_begin(*args, **kwargs)
+        assert self.predicted is not None
+        self.predicted = dataclasses.replace(self.predicted, peak_bytes=self.predicted.peak_bytes // 2)
+
+
+def test_a_measured_peak_over_the_prediction_warns_once(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = _trainer(tmp_path)
+    _Optimistic.attach(trainer)
+    trainer.train()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memfit: warning:")]
+    assert len(warnings) == 1 and "above the predicted" in warnings[0]
+
+
 def test_planned_arguments_build_training_arguments_that_run(tmp_path: Any) -> None:
     from memfit.integrations.trainer_plan import plan_trainer_arguments
 

@@ -114,7 +114,7 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile) -> TrainerStepEstim
     trainer.optimizer = None
     try:
         with fake_mode, _reparametrize_module(model, fakes, tie_weights=True), \
-                _autocast_on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
+                _on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
                 known_masks(all_ones=unpadded), \
                 tracker, emulation or contextlib.nullcontext(), _PlaceholderReads():
             workspace_bytes = _workspaces(model, emulation, allocator, recompute=args.gradient_checkpointing)
@@ -167,24 +167,34 @@ def _fake_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _autocast_on_trace_device(model: nn.Module, trainer: Any, *, cuda: bool) -> Iterator[None]:
-    """A Trainer on a card autocasts with CUDA's autocast, which does not reach the trace's CPU tensors: the
-    trace runs accelerate's wrapper rebuilt with the trace device's autocast (memfit's emulation makes up the
-    difference between the two)."""
-    original = getattr(model, "_original_forward", None)
-    mixed = trainer.accelerator.mixed_precision
-    if not cuda or original is None or mixed not in ("fp16", "bf16"):
+def _on_trace_device(model: nn.Module, trainer: Any, *, cuda: bool) -> Iterator[None]:
+    """A Trainer on a card runs its step on CPU fake tensors for the trace: its inputs stay where the trace
+    runs (``_prepare_input`` would move them to the card), accelerate's CUDA autocast wrapper is rebuilt with
+    the trace device's autocast (memfit's emulation makes up the difference between the two), and the
+    GradScaler's lazily made state is put back as it was (the trace would leave fake tensors in it)."""
+    if not cuda:
         yield
         return
-    from accelerate.utils import convert_outputs_to_fp32
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    scaler_state = dict(vars(scaler)) if scaler is not None else None
+    wrapped = vars(model).get("forward")  # accelerate's wrapper, an attribute of the instance
+    original = getattr(model, "_original_forward", None)
+    mixed = trainer.accelerator.mixed_precision
+    if wrapped is not None and original is not None and mixed in ("fp16", "bf16"):
+        from accelerate.utils import convert_outputs_to_fp32
 
-    dtype = torch.float16 if mixed == "fp16" else torch.bfloat16
-    wrapped = model.forward
-    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(original))
+        dtype = torch.float16 if mixed == "fp16" else torch.bfloat16
+        model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(original))
+    trainer._prepare_input = lambda data: data
     try:
         yield
     finally:
-        model.forward = wrapped
+        del trainer._prepare_input
+        if wrapped is not None:
+            model.forward = wrapped
+        if scaler is not None and scaler_state is not None:
+            vars(scaler).clear()
+            vars(scaler).update(scaler_state)
 
 
 def _workspaces(model: nn.Module, emulation: CudaEmulation | None, allocator: CachingAllocatorModel | None, *,
