@@ -50,10 +50,12 @@ def _task(model: Any) -> tuple[str, int]:
 
 def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: int, seq_len: int,
                            allow_lora: bool = False, allow_qlora: bool = False,
-                           device: str | DeviceProfile | None = None) -> TrainerPlan:
+                           device: str | DeviceProfile | None = None,
+                           precisions: tuple[str, ...] | None = None) -> TrainerPlan:
     """The fastest setup of ``model`` that fits ``budget`` at ``effective_batch`` samples of ``seq_len`` tokens
     per optimizer step, on ``device`` (a profile name such as ``"1080ti"``; default: where the model is), as
-    Trainer arguments. Raises :class:`~memfit.errors.ConfigError` with the planner's verdict when nothing fits."""
+    Trainer arguments; ``precisions``: only those (default: fp32 and the device's low precision). Raises
+    :class:`~memfit.errors.ConfigError` with the planner's verdict when nothing fits."""
     base = _base_model(model)
     profile = (device if isinstance(device, DeviceProfile) else resolve_profile(device) if device is not None
                else profile_for(resolve_device(next(base.parameters()).device.type)))
@@ -64,7 +66,7 @@ def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: in
         (Path(directory) / "config.json").write_text(json.dumps(config))
         made = plan(TrainConfig(model=directory, task=task, max_length=seq_len, effective_batch=effective_batch),
                     device=profile, budget=budget, seq_len=seq_len, allow_lora=allow_lora, allow_qlora=allow_qlora,
-                    num_labels=num_labels, suggest=False)
+                    num_labels=num_labels, suggest=False, precisions=precisions)
     with warnings.catch_warnings():  # its notes on wrapping the model are what the configs below do
         warnings.simplefilter("ignore")
         arguments = made.to_training_arguments()
@@ -120,14 +122,16 @@ def trainer_snippet(made: Plan) -> str:
 
 
 def plan_for_trainer(trainer: Any, *, budget: int, profile: DeviceProfile, seq_len: int) -> str:
-    """One clause for an over-budget Trainer: the arguments of a plan that fits at its effective batch."""
+    """One clause for an over-budget Trainer: the arguments of a plan that fits at its effective batch and in
+    its precision."""
     from memfit.errors import ConfigError
 
     args = trainer.args
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
     try:
+        precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
         made = plan_trainer_arguments(trainer.model, budget=budget, effective_batch=effective, seq_len=seq_len,
-                                      device=profile)
+                                      device=profile, precisions=(precision,))
     except ConfigError as error:
         return f"no setup of this model fits at effective batch {effective}: {error}"
     keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "fp16", "bf16", "gradient_checkpointing",

@@ -18,6 +18,8 @@ from memfit.planner.speed import STEPS, StepCost, step_seconds
 
 BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
+SMALLEST_BAND = 0.10
+"""Families whose line at micro-batch 1 is this close above the lowest are traced there too."""
 DEPTHS = (2, 4)
 """A deeper model's line points come from traces of copies this deep: every block costs the same."""
 
@@ -260,8 +262,11 @@ class Search:
         return self.predict(family, micro)
 
     def smallest(self, families: list[Family]) -> Candidate:
-        """The least memory any of ``families`` needs, traced exactly: micro-batch 1 of the family whose line
-        is lowest there."""
+        """The least memory any of ``families`` needs, traced exactly: micro-batch 1 of every family whose line
+        comes within ``SMALLEST_BAND`` of the lowest there (a line through larger micro-batches can misjudge
+        micro-batch 1, e.g. autocast's cached 16-bit weight copies against fp32's larger activations)."""
         fitted = [family for family in families if family in self.lines]
-        least = min((self.predict(family, 1) for family in fitted), key=lambda c: c.predicted_peak_bytes or 0)
-        return self.exact_candidate(least.family, 1)
+        predicted = [self.predict(family, 1) for family in fitted]
+        lowest = min(c.predicted_peak_bytes or 0 for c in predicted)
+        near = [c.family for c in predicted if (c.predicted_peak_bytes or 0) <= lowest * (1 + SMALLEST_BAND)]
+        return min((self.exact_candidate(family, 1) for family in near), key=lambda c: c.predicted_peak_bytes or 0)
