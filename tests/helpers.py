@@ -29,6 +29,20 @@ def run_main(args: list[str], capsys: Any) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def in_process(args: list[str], capsys: Any, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``memfit ARGS`` through :func:`memfit.cli.main` in this process (in ``cwd``), as a completed process:
+    the same exit code and stderr as the command's, without a new interpreter's start-up."""
+    from memfit.cli import main
+
+    with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+        try:
+            code = main(args)
+        except SystemExit as exit_:  # the argument parser's own errors
+            code = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["memfit", *args], code, captured.out, captured.err)
+
+
 def read_metrics(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     """The records of a run's ``metrics.jsonl``, all of them or those of one ``type``."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -13,7 +13,7 @@ import transformers
 from memfit import TrainConfig
 from memfit.memory.estimate import estimate
 from tests.conftest import FILLER, write_pairs, write_tiny_llm
-from tests.helpers import memfit, read_metrics
+from tests.helpers import memfit, read_metrics, run_main
 
 
 def test_a_chat_run_reports_accuracy_before_and_after_and_saves_a_causal_lm(tmp_path: Path) -> None:
@@ -65,17 +65,23 @@ def _write_config(tmp_path: Path, config: TrainConfig) -> Path:
     return path
 
 
-def test_bad_causal_inputs_are_one_line_and_write_nothing(tmp_path: Path) -> None:
+def test_bad_causal_inputs_are_one_line_and_write_nothing(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     plain = write_tiny_llm(tmp_path / "plain", chat=False)
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "review", "completion": " yes" * 40}) + "\n" + json.dumps(
         {"prompt": "review", "completion": " no"}) + "\n")
     cases = [(["--data", str(long), "--max-length", "16"], "completion alone is 40 tokens"),
              (["--data", str(write_pairs(tmp_path / "chat.jsonl", chat=True))], "no chat template")]
-    for options, message in cases:
+    for index, (options, message) in enumerate(cases):
         out = tmp_path / "never"
-        result = memfit("train", "--model", str(plain), *options, "--output-dir", str(out))
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+        args = ["train", "--model", str(plain), *options, "--output-dir", str(out)]
+        if index == 0:  # as a user runs it: the exit code and stderr of the process
+            result = memfit(*args)
+            code, err = result.returncode, result.stderr
+        else:  # the same main(), in this process
+            code, _, err = run_main(args, capsys)
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
         assert not out.exists()

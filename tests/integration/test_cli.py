@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from tests.conftest import TINY_BERT, write_model_dir
-from tests.helpers import memfit, read_metrics
+from tests.helpers import in_process, memfit, read_metrics
 
 SUMMARY_KEYS = {"val_accuracy", "val_loss", "train_loss", "peak_memory_bytes", "peak_memory_by_phase",
                 "samples_per_second", "optimizer_steps", "effective_batch_size", "micro_batch_size",
@@ -107,8 +107,9 @@ def assert_clean_error(result: subprocess.CompletedProcess[str], *fragments: str
     (["train", "--train-top-layers", "9"], ["larger than minilm's 6 layers"]),
     (["train", "--data", "missing.csv"], ["no such file or directory"]),
 ])
-def test_bad_input_fails_before_training(args: list[str], fragments: list[str], tmp_path: Path) -> None:
-    assert_clean_error(memfit(*args, cwd=tmp_path), *fragments)
+def test_bad_input_fails_before_training(args: list[str], fragments: list[str], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert_clean_error(in_process(args, capsys, cwd=tmp_path), *fragments)
     assert not (tmp_path / "runs").exists()
 
 
@@ -119,22 +120,24 @@ def test_all_problems_are_reported_together(tmp_path: Path) -> None:
     assert len(result.stderr.strip().splitlines()) == 3
 
 
-def test_data_mistakes(tmp_path: Path, reviews_csv: Path, tiny_bert: Path) -> None:
-    result = memfit("train", "--model", str(tiny_bert), "--data", str(reviews_csv), "--label-column", "stars")
+def test_data_mistakes(tmp_path: Path, reviews_csv: Path, tiny_bert: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = in_process(["train", "--model", str(tiny_bert), "--data", str(reviews_csv), "--label-column", "stars"],
+                        capsys)
     assert_clean_error(result, "no column 'stars' (--label-column)",
                        "columns are: review, sentiment")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert_clean_error(memfit("train", "--data", str(empty)), "holds no rows")
+    assert_clean_error(in_process(["train", "--data", str(empty)], capsys), "holds no rows")
 
 
-def test_labels_that_do_not_match_the_head(tmp_path: Path, reviews_csv: Path) -> None:
+def test_labels_that_do_not_match_the_head(tmp_path: Path, reviews_csv: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     config = transformers.BertConfig(**{**TINY_BERT, "num_labels": 3})
     torch.manual_seed(0)
     transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "three")
     write_model_dir(tmp_path / "unused", TINY_BERT)
-    result = memfit("train", "--model", str(tmp_path / "three"), "--data", str(reviews_csv), "--text-column",
-                    "review", "--label-column", "sentiment")
+    result = in_process(["train", "--model", str(tmp_path / "three"), "--data", str(reviews_csv), "--text-column",
+                         "review", "--label-column", "sentiment"], capsys)
     assert_clean_error(result, "has 2 labels", "classification head has 3")
 
 

@@ -6,10 +6,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from memfit import TrainConfig
 from memfit.memory.estimate import estimate
 from tests.conftest import TINY_BERT, write_model_dir, write_tiny_llm
-from tests.helpers import memfit
+from tests.helpers import memfit, run_main
 
 JSON_KEYS = {"peak_bytes", "peak_reserved_bytes", "non_pytorch_bytes", "breakdown", "phases", "device", "fits",
              "config", "seconds"}
@@ -45,7 +47,7 @@ def test_the_headline_question_gets_a_table(tmp_path: Path) -> None:
     assert "fits in 11.0 GiB: needs" in out and "headroom" in out
 
 
-def test_bad_estimates_exit_2_with_one_line_each(tmp_path: Path) -> None:
+def test_bad_estimates_exit_2_with_one_line_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
@@ -55,11 +57,14 @@ def test_bad_estimates_exit_2_with_one_line_each(tmp_path: Path) -> None:
         (["--model", str(empty)], "no config.json in"),
         (["--model", "bert-huge"], "presets: minilm, bert-base"),
     ]
-    for flags, message in cases:
-        result = memfit("estimate", *flags)
-        assert result.returncode == 2, (flags, result.stderr)
-        assert message in result.stderr and "Traceback" not in result.stderr
-        assert all(line.startswith("memfit: error: ") for line in result.stderr.strip().splitlines()), flags
+    result = memfit("estimate", *cases[0][0])  # as a user runs it: the exit code and stderr of the process
+    assert result.returncode == 2 and cases[0][1] in result.stderr and "Traceback" not in result.stderr
+    assert all(line.startswith("memfit: error: ") for line in result.stderr.strip().splitlines())
+    for flags, message in cases[1:]:  # the rest through the same main(), in this process
+        code, _, err = run_main(["estimate", *flags], capsys)
+        assert code == 2, (flags, err)
+        assert message in err and "Traceback" not in err
+        assert all(line.startswith("memfit: error: ") for line in err.strip().splitlines()), flags
 
 
 def test_devices_lists_every_profile() -> None:
@@ -105,11 +110,11 @@ def test_the_validation_harness_measures_what_the_estimate_predicts(tmp_path: Pa
     assert "unmeasured" in harness.markdown([harness.row(cases[0], harness.resolve_profile("t4"), None)])
 
 
-def test_full_length_texts_estimate_the_unpadded_step(tmp_path: Path) -> None:
+def test_full_length_texts_estimate_the_unpadded_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A grouped-query decoder keeps less without padding (no mask, K/V not repeated per head)."""
     model = write_tiny_llm(tmp_path / "llm")
     args = ["estimate", "--model", str(model), "--batch-size", "4", "--seq-len", "64", "--precision", "bf16", "--json"]
-    padded, unpadded = (json.loads(memfit(*args, *extra).stdout) for extra in ([], ["--full-length"]))
+    padded, unpadded = (json.loads(run_main([*args, *extra], capsys)[1]) for extra in ([], ["--full-length"]))
     assert unpadded["peak_bytes"] < padded["peak_bytes"]
     config = TrainConfig(model=str(model), micro_batch_size=4, effective_batch=4, max_length=64, precision="bf16")
     assert unpadded["peak_bytes"] == estimate(config, padded=False).peak_bytes

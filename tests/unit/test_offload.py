@@ -107,9 +107,11 @@ def test_the_planner_offloads_before_changing_what_is_learned(tmp_path: Path) ->
         return estimate(setup, device=PASCAL, seq_len=16).total_bytes
 
     between = (need(True) + need(False)) // 2
-    refused = planned(between)
-    assert refused.chosen is None and "--allow-offload would fit" in refused.verdict
-    chosen = planned(between, allow_offload=True, allow_8bit_optimizer=True, allow_freeze=True).chosen
+    offloaded = planned(between, allow_offload=True, allow_8bit_optimizer=True, allow_freeze=True)
+    chosen = offloaded.chosen
     assert chosen is not None and chosen.family.offload_optimizer and chosen.family.optimizer == "adamw"
     assert chosen.to_dict()["offload_optimizer"] is True and "on the host" in chosen.describe()
-    assert planned(between, allow_offload=True).to_config().offload_optimizer
+    assert "full fine-tuning needs at least" in offloaded.verdict and "--allow-offload would fit" in offloaded.verdict
+    assert offloaded.to_config().offload_optimizer
+    refused = planned(between, suggest=False)  # not allowed: nothing fits
+    assert refused.chosen is None and "nothing fits" in refused.verdict
