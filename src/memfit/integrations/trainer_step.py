@@ -38,7 +38,7 @@ from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
-from memfit.memory.estimate import CATEGORIES, label_optimizer_state
+from memfit.memory.estimate import CATEGORIES, StepPeak, label_optimizer_state
 from memfit.memory.mask_values import known_masks
 from memfit.memory.tracker import StorageTracker
 
@@ -46,28 +46,15 @@ STEPS = 2
 """Optimizer steps traced: the first makes the optimizer's state, the second is the steady state."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainerStepEstimate:
+@dataclass(kw_only=True, slots=True)
+class TrainerStepEstimate(StepPeak):
     """The predicted peak of a Trainer's training step (the steady state: optimizer step 2 on)."""
 
-    peak_bytes: int
-    """Peak allocated bytes (the tracked live bytes on CPU)."""
-    peak_reserved_bytes: int
-    non_pytorch_bytes: int
-    breakdown: dict[str, int]
-    phases: dict[str, int]
-    peak_phase: str
-    device: str
     micro_batch_size: int
     accumulation_steps: int
     sequence_length: int
     precision: str
     optimizer: str
-
-    @property
-    def total_bytes(self) -> int:
-        """What must fit the card: the allocator's reserve plus the CUDA context."""
-        return self.peak_reserved_bytes + self.non_pytorch_bytes
 
 
 def widest_batch(trainer: Any) -> tuple[dict[str, torch.Tensor], bool]:

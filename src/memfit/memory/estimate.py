@@ -63,7 +63,9 @@ SCALER_TENSORS = 4
 
 
 @dataclass(kw_only=True, slots=True)
-class Estimate:
+class StepPeak:
+    """A traced step's predicted peak: what :class:`Estimate` and a Trainer's step estimate share."""
+
     peak_bytes: int
     """Steady-state peak of allocated bytes (the tracked peak on CPU)."""
     peak_reserved_bytes: int
@@ -75,6 +77,15 @@ class Estimate:
     """Peak bytes per phase: forward, backward, optimizer (the step, freeing the gradients, the schedule)."""
     peak_phase: str
     device: str
+
+    @property
+    def total_bytes(self) -> int:
+        """What must fit the card: the allocator's reserve plus the memory outside PyTorch (CUDA context)."""
+        return self.peak_reserved_bytes + self.non_pytorch_bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate(StepPeak):
     device_memory_bytes: int
     fits: bool | None
     """Whether reserved + non-PyTorch bytes fit the device; ``None`` on CPU (no fixed budget)."""
@@ -109,10 +120,6 @@ class Estimate:
     host_bytes: int = 0
     """Host memory the step keeps besides the device's: an offloaded optimizer's copies of the trained weights
     and gradients (pinned) and its state (``--offload-optimizer``); 0 otherwise."""
-
-    @property
-    def total_bytes(self) -> int:
-        return self.peak_reserved_bytes + self.non_pytorch_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
