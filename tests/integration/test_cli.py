@@ -106,6 +106,7 @@ def assert_clean_error(result: subprocess.CompletedProcess[str], *fragments: str
     (["train", "--accumulation-steps", "0"], ["--accumulation-steps must be >= 1"]),
     (["train", "--train-top-layers", "9"], ["larger than minilm's 6 layers"]),
     (["train", "--data", "missing.csv"], ["no such file or directory"]),
+    (["train", "--offload-optimizer", "--device", "cpu"], ["on a cpu device it is in host memory already"]),
 ])
 def test_bad_input_fails_before_training(args: list[str], fragments: list[str], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
