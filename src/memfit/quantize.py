@@ -176,7 +176,9 @@ def load_quantized(path: str | Path) -> nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
-        state = torch.load(directory / STATE, weights_only=False)
+        with warnings.catch_warnings():  # torch's own unpickler of quantised tensors reads a TypedStorage
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+            state = torch.load(directory / STATE, weights_only=False)
     model.load_state_dict(state, assign=True)
     return model
 
