@@ -37,8 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.memory.allocator import CachingAllocatorModel
-from memfit.memory.emulation import CudaEmulation, cublas_workspaces
-from memfit.memory.estimate import CATEGORIES, StepPeak, label_optimizer_state
+from memfit.memory.emulation import CudaEmulation
+from memfit.memory.estimate import CATEGORIES, StepPeak, cublas_workspace_bytes, label_gradients, label_optimizer_state
 from memfit.memory.mask_values import known_masks
 from memfit.memory.tracker import StorageTracker
 
@@ -104,7 +104,8 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile) -> TrainerStepEstim
                 _on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
                 known_masks(all_ones=unpadded), \
                 tracker, emulation or contextlib.nullcontext(), _PlaceholderReads():
-            workspace_bytes = _workspaces(model, emulation, allocator, recompute=args.gradient_checkpointing)
+            workspace_bytes = cublas_workspace_bytes(model, emulation, allocator,
+                                                     recompute=args.gradient_checkpointing)
             _run(trainer, model, batch, num_items, tr_loss, tracker, fake_mode, cuda=cuda)
     finally:
         vars(trainer).update(saved)
@@ -140,6 +141,11 @@ class _PlaceholderReads(TorchDispatchMode):
             dtype = args[0].dtype
             return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
         return func(*args, **(kwargs or {}))
+
+
+def _fake_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A new tensor of each of ``batch``'s shapes (fake inside the trace: no values, no memory)."""
+    return {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in batch.items()}
 
 
 def _fake_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,16 +190,6 @@ def _on_trace_device(model: nn.Module, trainer: Any, *, cuda: bool) -> Iterator[
             vars(scaler).update(scaler_state)
 
 
-def _workspaces(model: nn.Module, emulation: CudaEmulation | None, allocator: CachingAllocatorModel | None, *,
-                recompute: bool) -> int:
-    """cuBLAS's workspaces on a CUDA target (made in the first step, kept): memfit's estimator's figures."""
-    if emulation is None or allocator is None:
-        return 0
-    biased = any(isinstance(module, nn.Linear) and module.bias is not None for module in model.modules())
-    sizes = cublas_workspaces(emulation.compute_capability, biased_linear=biased, recompute=recompute)
-    return sum(allocator.allocate(-100 - key, size) for key, size in enumerate(sizes))
-
-
 class _Phases:
     """forward from the model's forward pre-hook to its forward hook, backward from there to the end of the
     micro-step (with checkpointing, recomputation runs inside the layers, not through these hooks)."""
@@ -217,10 +213,7 @@ def _run(trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_ite
          tracker: StorageTracker, fake_mode: FakeTensorMode, *, cuda: bool) -> None:
     """The Trainer's loop body for :data:`STEPS` windows, on the fake model inside ``tracker``."""
     tracker.track_module(model)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    for parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
-        parameter.register_post_accumulate_grad_hook(
-            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
+    label_gradients(tracker, [p for p in model.parameters() if p.requires_grad])
     phases = _Phases(tracker)
     hooks = [model.register_forward_pre_hook(lambda *_: phases.enter("forward")),
              model.register_forward_hook(lambda *_: phases.enter("backward"))]
@@ -229,12 +222,11 @@ def _run(trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_ite
     # the loop's variables that outlive their statement: the last micro-step's loss, the last clip's norm
     step_loss = grad_norm = None
     # accelerate's dataloader fetches one batch ahead of the one it yields: one more batch is always alive
-    ahead = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in batch.items()}
+    ahead = _fake_batch(batch)
     tracker.relabel(list(ahead.values()), "inputs")
     try:
         for step in range(1, STEPS + 1):
-            window = [{name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in batch.items()}
-                      for _ in range(trainer.args.gradient_accumulation_steps)]
+            window = [_fake_batch(batch) for _ in range(trainer.args.gradient_accumulation_steps)]
             tracker.relabel([t for micro in window for t in micro.values()], "inputs")
             for inputs in window:
                 step_loss = trainer.training_step(model, inputs, fake_items)

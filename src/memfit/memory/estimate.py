@@ -284,9 +284,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     if buckets is not None:
         sync = buckets.sync
     if tracker is not None:
-        for _, parameter in trained:  # a gradient is a gradient from the moment it lands in .grad
-            parameter.register_post_accumulate_grad_hook(
-                lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
+        label_gradients(tracker, [parameter for _, parameter in trained])
     # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
     optimizer = build_optimizer_for(model, config, foreach_default=cuda)
     if tracker is not None and isinstance(optimizer, OffloadedOptimizer):
@@ -458,15 +456,27 @@ def _persistent_bytes(model: torch.nn.Module, config: TrainConfig, precision: Pr
     forward and backward (CUDA targets, :func:`memfit.memory.emulation.cublas_workspaces`)."""
     scaler_bytes = sum(allocator.allocate(-1 - key, 4) if allocator is not None else 4
                        for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
-    workspaces = cublas_workspaces(emulation.compute_capability, biased_linear=_has_biased_linear(model),
-                                   recompute=config.checkpointing != "none") if emulation is not None else []
-    workspace_bytes = sum(allocator.allocate(-100 - key, size) if allocator is not None else size
-                          for key, size in enumerate(workspaces))
+    workspace_bytes = cublas_workspace_bytes(model, emulation, allocator, recompute=config.checkpointing != "none")
     return scaler_bytes, workspace_bytes
 
 
-def _has_biased_linear(model: torch.nn.Module) -> bool:
-    return any(isinstance(module, torch.nn.Linear) and module.bias is not None for module in model.modules())
+def cublas_workspace_bytes(model: torch.nn.Module, emulation: CudaEmulation | None,
+                           allocator: CachingAllocatorModel | None, *, recompute: bool) -> int:
+    """cuBLAS's workspaces on a CUDA target (:func:`memfit.memory.emulation.cublas_workspaces`), allocated in
+    ``allocator``; 0 without an emulated card."""
+    if emulation is None:
+        return 0
+    biased = any(isinstance(module, torch.nn.Linear) and module.bias is not None for module in model.modules())
+    sizes = cublas_workspaces(emulation.compute_capability, biased_linear=biased, recompute=recompute)
+    return sum(allocator.allocate(-100 - key, size) if allocator is not None else size
+               for key, size in enumerate(sizes))
+
+
+def label_gradients(tracker: StorageTracker, trained: list[torch.nn.Parameter]) -> None:
+    """Count a trained parameter's gradient as ``gradients`` from the moment it lands in ``.grad``."""
+    for parameter in trained:
+        parameter.register_post_accumulate_grad_hook(
+            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
 
 
 @contextlib.contextmanager

@@ -80,11 +80,10 @@ class Plan:
             warnings.warn(f"the plan freezes {family.freeze}: freeze those parameters (requires_grad=False) "
                           "before building the Trainer", stacklevel=2)
         if family.lora_rank:
-            base = (" on a base loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
-                    "bnb_4bit_use_double_quant=True)" if family.quantize_base == "nf4" else "")
-            warnings.warn(f"the plan trains LoRA adapters: wrap the model with peft.get_peft_model(model, "
-                          f"LoraConfig(r={family.lora_rank}, target_modules='all-linear')){base} before building "
-                          "the Trainer", stacklevel=2)
+            base = " on an NF4 base (its BitsAndBytesConfig too)" if family.quantize_base == "nf4" else ""
+            warnings.warn(f"the plan trains LoRA r={family.lora_rank} adapters{base}: "
+                          "memfit.integrations.trainer_plan.plan_trainer_arguments returns their LoraConfig, "
+                          "memfit plan --emit trainer prints it; apply it before building the Trainer", stacklevel=2)
         if family.offload_optimizer:
             warnings.warn("the plan keeps the optimizer's state on the host: Trainer does that only through "
                           "DeepSpeed (ZeRO stage 2 with offload_optimizer device 'cpu'); or train with memfit "
