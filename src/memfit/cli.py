@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from rich.console import Console
@@ -419,61 +419,81 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return from_mapping({**values, **given})
 
 
+def run_estimate(args: argparse.Namespace) -> int:
+    from memfit.memory.estimate import estimate
+
+    result = estimate(config_from_args(args), device=args.profile, seq_len=args.seq_len,
+                      image_size=args.image_size, steps=args.steps, padded=not args.full_length)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print_estimate(Console(), result)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from memfit.generate import generate
+
+    print(generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens, raw=bool(args.raw)))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from memfit import quantize as quantization
+
+    print(json.dumps(quantization.run_eval(args.model, data=args.data, columns=_columns(args))))
+    return 0
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from memfit import quantize as quantization
+
+    report = quantization.run_quantize(args.source, method=args.method, backend=args.backend,
+                                       data=args.data, output_dir=args.output_dir, columns=_columns(args))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_quantize(Console(), report)
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from memfit.distributed import launched_rank
+    from memfit.engine import train
+
+    console = Console(stderr=True) if args.json else Console()
+    summary = train(config_from_args(args), console=console)
+    if launched_rank() != 0:  # under torchrun, rank 0 alone reports
+        return 0
+    if args.quantize:
+        from memfit import quantize as quantization
+
+        print_quantize(console, quantization.run_quantize(summary.output_dir))
+    if args.json:
+        print(json.dumps(summary.to_dict()))
+    return 0
+
+
+def run_listing(args: argparse.Namespace) -> int:
+    if args.command == "models":
+        print("\n".join(PRESETS))
+    else:
+        print_devices(Console())
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": run_train, "estimate": run_estimate, "plan": run_plan, "generate": run_generate, "eval": run_eval,
+    "quantize": run_quantize, "models": run_listing, "devices": run_listing}
+"""Each subcommand's handler (``bench`` also needs the command line it reports)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "models":
-            print("\n".join(PRESETS))
-            return 0
-        if args.command == "devices":
-            print_devices(Console())
-            return 0
-        if args.command == "estimate":
-            from memfit.memory.estimate import estimate
-
-            result = estimate(config_from_args(args), device=args.profile, seq_len=args.seq_len,
-                              image_size=args.image_size, steps=args.steps, padded=not args.full_length)
-            if args.json:
-                print(json.dumps(result.to_dict()))
-            else:
-                print_estimate(Console(), result)
-            return 0
-        if args.command == "plan":
-            return run_plan(args)
-        if args.command == "generate":
-            from memfit.generate import generate
-
-            print(generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens, raw=bool(args.raw)))
-            return 0
         if args.command == "bench":
             return run_bench_command(args, argv)
-        if args.command in ("quantize", "eval"):
-            from memfit import quantize as quantization
-
-            if args.command == "eval":
-                print(json.dumps(quantization.run_eval(args.model, data=args.data, columns=_columns(args))))
-                return 0
-            report = quantization.run_quantize(args.source, method=args.method, backend=args.backend,
-                                               data=args.data, output_dir=args.output_dir, columns=_columns(args))
-            if args.json:
-                print(json.dumps(report))
-            else:
-                print_quantize(Console(), report)
-            return 0
-        from memfit.distributed import launched_rank
-        from memfit.engine import train
-
-        console = Console(stderr=True) if args.json else Console()
-        summary = train(config_from_args(args), console=console)
-        if launched_rank() != 0:  # under torchrun, rank 0 alone reports
-            return 0
-        if args.quantize:
-            from memfit import quantize as quantization
-
-            print_quantize(console, quantization.run_quantize(summary.output_dir))
-        if args.json:
-            print(json.dumps(summary.to_dict()))
-        return 0
+        return COMMANDS[args.command](args)
     except MemfitError as error:
         for line in error.problems:
             sys.stderr.write(f"memfit: {error.label}: {line}\n")

@@ -204,60 +204,9 @@ class TrainConfig:
         _check_adapters(problems, self)
         if self.device not in DEVICES:
             problems.lines.extend(_gpu_profile_problems(self.device))
-        for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
-                     "max_nonfinite_steps", "growth_interval"):
-            _check_positive(problems, name, getattr(self, name))
-        if self.checkpoint_every < 2:
-            problems.add(f"--checkpoint-every must be >= 2 (got {self.checkpoint_every}); "
-                         "use --checkpointing full to checkpoint every layer")
-        _check_positive(problems, "keep_last", self.keep_last)
-        if self.resume is not None and self.overwrite:
-            problems.add("give either --resume or --overwrite, not both: one continues the run in the output dir, "
-                         "the other replaces it")
-        if self.resume == "latest" and self.output_dir is None:
-            problems.add("--resume needs --output-dir: the directory of the run to continue")
-        for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every", "loss_chunk"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_positive(problems, name, value)
-        if self.accumulation_steps is not None and self.accumulation_steps < 1:
-            problems.add(f"--accumulation-steps must be >= 1 (got {self.accumulation_steps})")
-        if self.micro_batch_size is not None and self.accumulation_steps is not None:
-            problems.add("give either --micro-batch-size or --accumulation-steps, not both "
-                         "(the other is derived from --effective-batch)")
-        per_rank = -(-self.effective_batch // max(self.world_size, 1))
-        ranks = f" over {self.world_size} ranks ({per_rank} per rank)" if self.world_size > 1 else ""
-        if self.world_size > self.effective_batch > 0:
-            problems.add(f"--effective-batch {self.effective_batch} is smaller than the {self.world_size} ranks; "
-                         "give every rank at least one sample")
-        elif self.micro_batch_size is not None and self.micro_batch_size > per_rank > 0:
-            problems.add(f"--micro-batch-size {self.micro_batch_size} is larger than --effective-batch "
-                         f"{self.effective_batch}{ranks}; use at most {per_rank}")
-        if (self.accumulation_steps is not None and self.accumulation_steps > per_rank > 0):
-            problems.add(f"--accumulation-steps {self.accumulation_steps} is larger than --effective-batch "
-                         f"{self.effective_batch}{ranks}: a micro-batch needs at least one sample")
-        if self.train_top_layers is not None and self.train_top_layers < 1:
-            problems.add(f"--train-top-layers must be >= 1 (got {self.train_top_layers})")
-        if not 0.0 < self.val_fraction < 1.0:
-            problems.add(f"--val-fraction must be between 0 and 1 exclusive (got {self.val_fraction})")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            problems.add(f"--warmup-ratio must be in [0, 1) (got {self.warmup_ratio})")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            problems.add(f"--lr must be a positive number (got {self.lr})")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            problems.add(f"--max-grad-norm must be > 0 (got {self.max_grad_norm}); omit it to disable clipping")
-        if self.init_scale <= 0:
-            problems.add(f"--init-scale must be > 0 (got {self.init_scale})")
-        if self.emulate_budget is not None:
-            problems.collect(lambda: parse_bytes(str(self.emulate_budget), option="--emulate-budget"))
-        if self.budget is not None:
-            problems.collect(lambda: parse_bytes(str(self.budget), option="--budget"))
-        if self.budget is not None and self.plan is not None:
-            problems.add("give either --budget (plan now) or --plan (use a saved plan), not both")
-        if (self.budget is not None or self.plan is not None) and (
-                self.micro_batch_size is not None or self.accumulation_steps is not None):
-            problems.add("--budget/--plan choose the micro-batch; drop --micro-batch-size/--accumulation-steps "
-                         "(or drop --budget/--plan)")
+        _check_numbers(problems, self)
+        _check_batch_split(problems, self)
+        _check_run_dir_and_budget(problems, self)
         if self.extra:
             problems.add(f"unknown option(s): {', '.join(sorted(self.extra))}; the names are those of "
                          "'memfit train --help', as snake_case or dash-case")
@@ -359,6 +308,73 @@ def _check_adapters(problems: Problems, config: TrainConfig) -> None:
         problems.add("--merge merges LoRA adapters into the base model; add --lora-rank or drop --merge")
     if (rank or quantized) and config.distributed != "none":
         problems.add("--lora-rank and --quantize-base train in one process; drop --distributed")
+
+
+
+def _check_numbers(problems: Problems, config: TrainConfig) -> None:
+    """Counts, fractions and rates in their ranges."""
+    for name in ("max_length", "effective_batch", "eval_batch_size", "epochs", "log_every",
+                 "max_nonfinite_steps", "growth_interval"):
+        _check_positive(problems, name, getattr(config, name))
+    if config.checkpoint_every < 2:
+        problems.add(f"--checkpoint-every must be >= 2 (got {config.checkpoint_every}); "
+                     "use --checkpointing full to checkpoint every layer")
+    _check_positive(problems, "keep_last", config.keep_last)
+    if config.train_top_layers is not None and config.train_top_layers < 1:
+        problems.add(f"--train-top-layers must be >= 1 (got {config.train_top_layers})")
+    if not 0.0 < config.val_fraction < 1.0:
+        problems.add(f"--val-fraction must be between 0 and 1 exclusive (got {config.val_fraction})")
+    if not 0.0 <= config.warmup_ratio < 1.0:
+        problems.add(f"--warmup-ratio must be in [0, 1) (got {config.warmup_ratio})")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        problems.add(f"--lr must be a positive number (got {config.lr})")
+    if config.max_grad_norm is not None and not config.max_grad_norm > 0:
+        problems.add(f"--max-grad-norm must be > 0 (got {config.max_grad_norm}); omit it to disable clipping")
+    if config.init_scale <= 0:
+        problems.add(f"--init-scale must be > 0 (got {config.init_scale})")
+    for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every", "loss_chunk"):
+        value = getattr(config, name)
+        if value is not None:
+            _check_positive(problems, name, value)
+
+
+def _check_batch_split(problems: Problems, config: TrainConfig) -> None:
+    """Micro-batch and accumulation against the effective batch and the ranks."""
+    if config.accumulation_steps is not None and config.accumulation_steps < 1:
+        problems.add(f"--accumulation-steps must be >= 1 (got {config.accumulation_steps})")
+    if config.micro_batch_size is not None and config.accumulation_steps is not None:
+        problems.add("give either --micro-batch-size or --accumulation-steps, not both "
+                     "(the other is derived from --effective-batch)")
+    per_rank = -(-config.effective_batch // max(config.world_size, 1))
+    ranks = f" over {config.world_size} ranks ({per_rank} per rank)" if config.world_size > 1 else ""
+    if config.world_size > config.effective_batch > 0:
+        problems.add(f"--effective-batch {config.effective_batch} is smaller than the {config.world_size} ranks; "
+                     "give every rank at least one sample")
+    elif config.micro_batch_size is not None and config.micro_batch_size > per_rank > 0:
+        problems.add(f"--micro-batch-size {config.micro_batch_size} is larger than --effective-batch "
+                     f"{config.effective_batch}{ranks}; use at most {per_rank}")
+    if (config.accumulation_steps is not None and config.accumulation_steps > per_rank > 0):
+        problems.add(f"--accumulation-steps {config.accumulation_steps} is larger than --effective-batch "
+                     f"{config.effective_batch}{ranks}: a micro-batch needs at least one sample")
+
+
+def _check_run_dir_and_budget(problems: Problems, config: TrainConfig) -> None:
+    """Resume/overwrite of the output directory; budgets and saved plans against a fixed split."""
+    if config.resume is not None and config.overwrite:
+        problems.add("give either --resume or --overwrite, not both: one continues the run in the output dir, "
+                     "the other replaces it")
+    if config.resume == "latest" and config.output_dir is None:
+        problems.add("--resume needs --output-dir: the directory of the run to continue")
+    if config.emulate_budget is not None:
+        problems.collect(lambda: parse_bytes(str(config.emulate_budget), option="--emulate-budget"))
+    if config.budget is not None:
+        problems.collect(lambda: parse_bytes(str(config.budget), option="--budget"))
+    if config.budget is not None and config.plan is not None:
+        problems.add("give either --budget (plan now) or --plan (use a saved plan), not both")
+    if (config.budget is not None or config.plan is not None) and (
+            config.micro_batch_size is not None or config.accumulation_steps is not None):
+        problems.add("--budget/--plan choose the micro-batch; drop --micro-batch-size/--accumulation-steps "
+                     "(or drop --budget/--plan)")
 
 
 def _check_distributed(problems: Problems, config: TrainConfig) -> None:

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 NATIVE_BF16_CAPABILITY = (8, 0)
 PCIE3_BANDWIDTH = 12e9
 """Achievable bytes per second of PCIe 3.0 x16: the default link and host bandwidth of a profile."""
+GPU_OP_OVERHEAD_S = 15e-6
+"""Host time per op of an eager CUDA step, from ``memfit bench`` of BERT-base at 128 tokens on an H200
+(benchmarks/results/gpu_h200): step time less the FLOP model's compute, over the traced ops, is 13.9 us
+(bf16, micro-batch 8 x 4) and 17.0 us (bf16, full checkpointing, 32 x 1)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,7 +132,7 @@ class DeviceProfile:
     tensor_cores: bool
     non_pytorch_bytes: int = 0
     """Memory the process uses outside PyTorch's allocator (CUDA context, cuBLAS/cuDNN workspaces)."""
-    op_overhead_s: float = 5e-6
+    op_overhead_s: float = GPU_OP_OVERHEAD_S
     """Host time per ATen op of an eager step (Python, dispatcher, kernel launch): what makes small
     micro-batches slow. The planner's cost model charges it for every op a step dispatches."""
     link_bandwidth: float = PCIE3_BANDWIDTH
@@ -180,7 +184,10 @@ CPU_FP32 = 0.3 * TERA
 """With the planner's 50 % efficiency, ~150 GFLOP/s: fitted, with :data:`CPU_OP_OVERHEAD_S` and the bf16
 factor, to the step times of ``memfit bench`` on 2 AVX512-BF16 cores (MiniLM on Rotten Tomatoes and a small
 ViT on Fashion-MNIST, benchmarks/results/bench_*_cpu). Other CPUs differ; only the ratios matter to a plan."""
-CPU_OP_OVERHEAD_S = 12e-6
+CPU_OP_OVERHEAD_S = 40e-6
+"""Fitted with :data:`CPU_FP32` (the op counts exclude ``tensor.device`` queries, which only a traced step
+dispatches: 3.2-3.5x fewer ops than when the fit counted them, at 12 us each). On a CPU it also stands for
+the time of the small ops the FLOP count leaves out (layer norms, softmax, element-wise)."""
 CPU_GLOO_BANDWIDTH = 1.86e9
 """gloo's all-reduce bus bandwidth between two processes on this 2-core host (64 MiB, median of 5), measured
 by ``benchmarks/distributed_overhead.py`` (benchmarks/results/distributed_overhead_cpu.json)."""
@@ -286,6 +293,6 @@ def _profile_from_file(path: Path) -> DeviceProfile:
         bf16_flops=float(raw.get("bf16_flops", 0.0)), memory_bandwidth=float(raw.get("memory_bandwidth", 0.0)),
         tensor_cores=bool(raw.get("tensor_cores", False)),
         non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)),
-        op_overhead_s=float(raw.get("op_overhead_s", 5e-6)),
+        op_overhead_s=float(raw.get("op_overhead_s", GPU_OP_OVERHEAD_S)),
         link_bandwidth=float(raw.get("link_bandwidth", PCIE3_BANDWIDTH)),
         host_bandwidth=float(raw.get("host_bandwidth", PCIE3_BANDWIDTH)))

@@ -195,19 +195,62 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     started = time.perf_counter()
     trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps,
                           lean_warmup=lean_warmup, padded=padded, layers=layers)
-    profile, spec, length, size = trace.profile, trace.spec, trace.sequence_length, trace.image_size
-    windows, window_items = trace.windows, trace.window_items
-    # before run_steps consumes the windows; samples, not items (a causal LM's items are its labelled tokens)
-    traced_samples = sum(len(batch["labels"]) for window in windows for batch in window)
-    traced_micro_steps = sum(len(window) for window in windows)
+    if execute and trace.profile.kind != "cpu":
+        raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
+    strategy = strategy_for(config, trace.profile)
+    if strategy == "fsdp" and execute:
+        raise ConfigError("execute=True measures one process; measure FSDP with torchrun (memfit train)")
+    # before the trace consumes the windows; samples, not items (a causal LM's items are its labelled tokens)
+    traced_samples = sum(len(batch["labels"]) for window in trace.windows for batch in window)
+    traced_micro_steps = sum(len(window) for window in trace.windows)
+    run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels)
+    tracker, profile = run.tracker, trace.profile
+    extra = run.scaler_bytes + run.workspace_bytes
+    peak = tracker.peak_bytes + extra
+    breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
+    breakdown["temporaries"] += run.scaler_bytes
+    breakdown["workspaces"] += run.workspace_bytes
+    peak_reserved = run.allocator.peak_reserved_bytes if run.allocator is not None else peak
+    headroom = profile.memory_bytes - peak_reserved - profile.non_pytorch_bytes if profile.kind == "cuda" else None
+    phases = {name: value + extra for name, value in tracker.phase_peaks.items()}
+    attention_flops = run.emulation.attention_flops if run.emulation is not None else 0
+    return Estimate(
+        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=profile.non_pytorch_bytes,
+        breakdown=breakdown, phases=phases, peak_phase=max(phases, key=lambda name: phases[name]),
+        device=profile.name, device_memory_bytes=profile.memory_bytes,
+        fits=None if headroom is None else headroom >= 0, headroom_bytes=headroom,
+        micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
+        sequence_length=trace.sequence_length, image_size=trace.image_size, precision=trace.precision,
+        config=config.to_dict(), traced_ops=tracker.op_count, phase_ops=dict(tracker.phase_ops),
+        flops=tracker.flops + attention_flops if count_flops else None,
+        dequantized_bytes=tracker.dequantized_bytes if count_flops else None,
+        trainable_parameters=run.trainable, parameters=run.parameters, world_size=config.world_size,
+        distributed=strategy, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
+        seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes)
+
+
+@dataclass(kw_only=True, slots=True)
+class _TracedRun:
+    """What one traced (or executed) run of the steps leaves to read: the tracker's counts, and the bytes
+    and FLOPs counted beside it."""
+
+    tracker: StorageTracker
+    allocator: CachingAllocatorModel | None
+    emulation: CudaEmulation | None
+    scaler_bytes: int
+    workspace_bytes: int
+    trainable: int
+    parameters: int
+
+
+def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: bool, count_flops: bool,
+                 num_labels: int) -> _TracedRun:
+    """Build the model under fake tensors (real ones when ``execute``) and run the steps on ``trace``'s
+    windows inside the tracker."""
+    profile, windows = trace.profile, trace.windows
     precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
     allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
     tracker = StorageTracker(allocator=allocator, count_flops=count_flops)
-    if execute and profile.kind != "cpu":
-        raise ConfigError("execute=True measures on this machine's CPU; use device='cpu'")
-    strategy = strategy_for(config, profile)
-    if strategy == "fsdp" and execute:
-        raise ConfigError("execute=True measures one process; measure FSDP with torchrun (memfit train)")
     fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
@@ -215,8 +258,9 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     world = distributed.fake_world(config.world_size) if strategy == "fsdp" else contextlib.nullcontext()
     with world as mesh, fake_mode or contextlib.nullcontext(), (
             contextlib.nullcontext() if execute else _no_init_weights()):
-        model: torch.nn.Module = build_with_techniques(spec, config, label_names=[str(i) for i in range(num_labels)],
-                                                       pad_token_id=0, task=trace.task, low_dtype=precision.low_dtype)
+        labels = [str(i) for i in range(num_labels)]
+        model: torch.nn.Module = build_with_techniques(trace.spec, config, label_names=labels, pad_token_id=0,
+                                                       task=trace.task, low_dtype=precision.low_dtype)
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
@@ -226,35 +270,12 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
                                           cpu_offload=config.cpu_offload)
                 tracker.relabel(list(model.parameters()), "parameters")
-            run_steps(model, config, precision, windows, window_items, device=torch.device("cpu"),
+            run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
                       persistent_grads=strategy == "ddp")
-    peak = tracker.peak_bytes + scaler_bytes + workspace_bytes
-    breakdown = {name: tracker.peak_breakdown.get(name, 0) for name in CATEGORIES}
-    breakdown["temporaries"] += scaler_bytes
-    breakdown["workspaces"] += workspace_bytes
-    peak_reserved = allocator.peak_reserved_bytes if allocator is not None else peak
-    non_pytorch = profile.non_pytorch_bytes
-    fits = headroom = None
-    if profile.kind == "cuda":
-        headroom = profile.memory_bytes - peak_reserved - non_pytorch
-        fits = headroom >= 0
-    phases = {name: value + scaler_bytes + workspace_bytes for name, value in tracker.phase_peaks.items()}
-    flops = None
-    if count_flops:
-        flops = tracker.flops + (emulation.attention_flops if emulation is not None else 0)
-    return Estimate(
-        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=non_pytorch, breakdown=breakdown,
-        phases=phases, peak_phase=max(phases, key=lambda name: phases[name]), device=profile.name,
-        device_memory_bytes=profile.memory_bytes, fits=fits, headroom_bytes=headroom,
-        micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
-        sequence_length=length, image_size=size, precision=precision.name,
-        config=config.to_dict(), traced_ops=tracker.op_count, phase_ops=dict(tracker.phase_ops), flops=flops,
-        dequantized_bytes=tracker.dequantized_bytes if count_flops else None,
-        trainable_parameters=trainable, parameters=total, world_size=config.world_size, distributed=strategy,
-        traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
-        seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes)
+    return _TracedRun(tracker=tracker, allocator=allocator, emulation=emulation, scaler_bytes=scaler_bytes,
+                      workspace_bytes=workspace_bytes, trainable=trainable, parameters=total)
 
 
 def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, windows: list[list[Batch]],
