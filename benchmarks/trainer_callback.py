@@ -3,12 +3,14 @@
 SmolLM2-135M-Instruct (the packaged weights) fine-tuned on Rotten Tomatoes reviews (the packaged corpus) as
 a causal LM, by ``transformers.Trainer`` and by TRL's ``SFTTrainer``, on this machine's CPU, for a few
 optimizer steps per setup (fp32/bf16, with and without gradient checkpointing, ``adamw_torch`` and
-``adamw_torch_fused``). The callback traces each Trainer's step before it starts and logs the measured peak
-of every logging interval beside it; the table shows the steady state (the last interval's, after the
+``adamw_torch_fused``; and QLoRA: the model loaded in 4 bits with ``BitsAndBytesConfig``, PEFT LoRA r=16 on
+every Linear, ``adamw_torch_fused``). The callback traces each Trainer's step before it starts and logs the
+measured peak of every logging interval beside it; the table shows the steady state (the last interval's, after the
 optimizer's state exists). The reviews are cut to ``--length`` tokens and only those that long are kept, so
 every batch is the widest one and measured equals predicted when the trace is exact.
 
     .venv/bin/python benchmarks/trainer_callback.py --json benchmarks/results/trainer_callback_cpu.json
+    .venv/bin/python benchmarks/trainer_callback.py --techniques qlora --json ...   # replaces those rows only
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from memfit.integrations.transformers import MemfitCallback  # first: Trainer's 
 from memfit.packaged import smollm2_dir
 from memfit.report import format_bytes
 
-SETUPS = [(precision, checkpointing, optim) for precision in ("fp32", "bf16") for checkpointing in (False, True)
-          for optim in ("adamw_torch", "adamw_torch_fused")]
+SETUPS = {"full": [(precision, checkpointing, optim) for precision in ("fp32", "bf16")
+                   for checkpointing in (False, True) for optim in ("adamw_torch", "adamw_torch_fused")],
+          "qlora": [(precision, checkpointing, "adamw_torch_fused") for precision in ("fp32", "bf16")
+                    for checkpointing in (False, True)]}
 
 
 def texts(tokenizer: Any, length: int, count: int) -> list[str]:
@@ -44,14 +48,31 @@ def texts(tokenizer: Any, length: int, count: int) -> list[str]:
     raise SystemExit(f"only {len(kept)} reviews have {length} tokens")
 
 
-def run(kind: str, precision: str, checkpointing: bool, optim: str, *, model_dir: Path, rows: list[str],
-        length: int, output: Path) -> dict[str, Any]:
+def load(model_dir: Path, technique: str, precision: str) -> Any:
+    """The model as a user loads it for ``technique``: fp32 weights, or 4-bit NF4 with LoRA r=16 adapters."""
+    import transformers
+
+    if technique == "full":
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    import peft
+
+    quantization = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization)
+    with contextlib.redirect_stderr(io.StringIO()):  # peft's own deprecation note on the model's attribute
+        return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                          task_type="CAUSAL_LM"))
+
+
+def run(kind: str, technique: str, precision: str, checkpointing: bool, optim: str, *, model_dir: Path,
+        rows: list[str], length: int, output: Path) -> dict[str, Any]:
     import datasets
     import transformers
 
     torch.manual_seed(0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load(model_dir, technique, precision)
     common = {"output_dir": str(output), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
               "max_steps": 3, "logging_steps": 1, "report_to": "none", "use_cpu": True, "save_strategy": "no",
               "disable_tqdm": True, "bf16": precision == "bf16", "gradient_checkpointing": checkpointing,
@@ -75,38 +96,50 @@ def run(kind: str, precision: str, checkpointing: bool, optim: str, *, model_dir
         trainer.train()
     last = [entry for entry in trainer.state.log_history if "memfit/peak_bytes" in entry][-1]
     assert callback.predicted is not None
-    return {"trainer": kind, "precision": precision, "checkpointing": checkpointing, "optim": optim,
+    return {"trainer": kind, "technique": technique, "precision": precision, "checkpointing": checkpointing,
+            "optim": optim,
             "sequence_length": callback.predicted.sequence_length,
             "predicted_bytes": last["memfit/predicted_peak_bytes"],
             "measured_bytes": last["memfit/peak_bytes"], "error": last["memfit/peak_error"],
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["trainer"], row.get("technique", "full"), row["precision"], row["checkpointing"], row["optim"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, help="rows of the setups run replace those in it; the others stay")
     parser.add_argument("--length", type=int, default=48, help="tokens per example [48]")
+    parser.add_argument("--techniques", nargs="+", choices=list(SETUPS), default=list(SETUPS))
     args = parser.parse_args()
     import transformers
 
     model_dir = smollm2_dir()
     rows = texts(transformers.AutoTokenizer.from_pretrained(model_dir), args.length, 32)
     results = []
-    lines = ["| trainer | precision | checkpointing | optim | predicted | measured | error |",
-             "|---|---|---|---|---|---|---|"]
-    for kind in ("trainer", "sft"):
-        for precision, checkpointing, optim in SETUPS:
-            row = run(kind, precision, checkpointing, optim, model_dir=model_dir, rows=rows, length=args.length,
-                      output=Path("/tmp/memfit-trainer-callback"))
-            results.append(row)
-            lines.append(f"| {'Trainer' if kind == 'trainer' else 'SFTTrainer'} | {precision} | "
-                         f"{'on' if checkpointing else 'off'} | {optim} | {row['predicted_bytes']:,} "
-                         f"({format_bytes(row['predicted_bytes'])}) | {row['measured_bytes']:,} | "
-                         f"{100 * row['error']:+.4f} % |")
-            print(lines[-1], flush=True)
-    print("\n".join(lines))
+    for technique in args.techniques:
+        for kind in ("trainer", "sft"):
+            for precision, checkpointing, optim in SETUPS[technique]:
+                row = run(kind, technique, precision, checkpointing, optim, model_dir=model_dir, rows=rows,
+                          length=args.length, output=Path("/tmp/memfit-trainer-callback"))
+                results.append(row)
+                print(line(row), flush=True)
     if args.json:
+        kept = json.loads(args.json.read_text())["rows"] if args.json.exists() else []
+        ran = {key(row) for row in results}
+        results = [*(row for row in kept if key(row) not in ran), *results]
         args.json.write_text(json.dumps({"model": "smollm2-135m", "device": "cpu", "rows": results}, indent=1))
+    print("\n".join(["| trainer | technique | precision | checkpointing | optim | predicted | measured | error |",
+                     "|---|---|---|---|---|---|---|---|", *(line(row) for row in results)]))
+
+
+def line(row: dict[str, Any]) -> str:
+    return (f"| {'Trainer' if row['trainer'] == 'trainer' else 'SFTTrainer'} | {row.get('technique', 'full')} | "
+            f"{row['precision']} | {'on' if row['checkpointing'] else 'off'} | {row['optim']} | "
+            f"{row['predicted_bytes']:,} ({format_bytes(row['predicted_bytes'])}) | {row['measured_bytes']:,} | "
+            f"{100 * row['error']:+.4f} % |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from memfit.integrations.transformers import KEYS, MemfitCallback  # first: quiet imports of Trainer's libraries
+from memfit.planner.report import checkpointing_argument
 from tests.conftest import TINY_LLAMA
 
 transformers = pytest.importorskip("transformers")
@@ -65,7 +66,8 @@ SETUPS = [(False, False, "adamw_torch"), (False, True, "adamw_torch_fused"), (Tr
 def test_the_trainers_step_peaks_where_the_callback_predicts(tmp_path: Any, capsys: pytest.CaptureFixture[str],
                                                              bf16: bool, checkpointing: bool, optim: str) -> None:
     reporter = _Reporter()
-    trainer = _trainer(tmp_path, callbacks=[reporter], bf16=bf16, gradient_checkpointing=checkpointing, optim=optim)
+    trainer = _trainer(tmp_path, callbacks=[reporter], bf16=bf16, optim=optim,
+                       **{checkpointing_argument(): checkpointing})
     callback = MemfitCallback.attach(trainer)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -183,3 +185,28 @@ def test_a_lora_plan_emits_python_that_builds_the_trainer_arguments_and_the_adap
     arguments = namespace["arguments"]
     assert arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps == 4
     assert type(namespace["model"]).__name__ == "PeftModelForCausalLM"
+
+
+def test_a_qlora_trainer_is_traced_on_its_4bit_weights_and_planned_as_qlora(tmp_path: Any) -> None:
+    """A model loaded in 4 bits (``BitsAndBytesConfig``) with PEFT adapters: each fake weight keeps a fake copy
+    of its quantisation state, so bitsandbytes' layers dequantise in the trace as in the run."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from memfit.integrations.trainer_plan import model_technique
+
+    directory = tmp_path / "llama"
+    _model().save_pretrained(directory)
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_use_double_quant=True,
+                                                   bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+    assert model_technique(model) == {"lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0,
+                                      "lora_targets": "q_proj,v_proj", "quantize_base": "nf4"}
+    trainer = _trainer(tmp_path, model=model)
+    callback = MemfitCallback.attach(trainer)
+    trainer.train()
+    assert callback.predicted is not None and callback.predicted.breakdown["quantized_weights"] > 0
+    errors = [entry["memfit/peak_error"] for entry in trainer.state.log_history if "loss" in entry][1:]
+    assert len(errors) == 2 and all(abs(error) < 0.001 for error in errors), errors

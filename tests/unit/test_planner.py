@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +156,15 @@ def test_to_training_arguments_builds_hf_training_arguments(model_dir: Path, tra
     transformers = pytest.importorskip("transformers")
     result = cpu_plan(model_dir, traces, 1_000_000)
     assert result.chosen is not None
-    arguments = transformers.TrainingArguments(output_dir=str(tmp_path), **result.to_training_arguments())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arguments = transformers.TrainingArguments(output_dir=str(tmp_path), **result.to_training_arguments())
+    assert not [w for w in caught if "deprecated" in str(w.message)]  # the installed transformers' own names
     assert arguments.per_device_train_batch_size == result.chosen.micro_batch_size
     assert arguments.gradient_accumulation_steps == result.chosen.accumulation_steps
     assert (arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps
             >= result.effective_batch)
-    assert arguments.gradient_checkpointing == (result.chosen.family.checkpointing != "none")
+    assert arguments.gradient_checkpointing == (result.chosen.family.checkpointing != "none")  # read: either name
     assert arguments.bf16 == (result.chosen.family.precision == "bf16") and not arguments.fp16
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_device, resolve_profile
 from memfit.planner import Plan, plan
+from memfit.planner.report import checkpointing_argument
 from memfit.report import format_bytes
 
 
@@ -40,6 +41,28 @@ def _base_model(model: Any) -> Any:
     return get_base() if callable(get_base) else model
 
 
+def model_technique(model: Any) -> dict[str, Any]:
+    """memfit's settings for what ``model`` already carries: PEFT LoRA adapters (rank, alpha, dropout, target
+    names) and a bitsandbytes-quantised base (4-bit: ``nf4``, 8-bit: ``int8``), so that a plan for it keeps its
+    technique. A regular-expression ``target_modules`` plans adapters on every Linear of the blocks."""
+    settings: dict[str, Any] = {}
+    configs = getattr(model, "peft_config", None)
+    lora: Any = configs.get(getattr(model, "active_adapter", "default")) if isinstance(configs, dict) else None
+    rank = int(getattr(lora, "r", None) or 0)
+    if rank:
+        settings.update(lora_rank=rank, lora_alpha=float(lora.lora_alpha),
+                        lora_dropout=float(lora.lora_dropout))
+        if isinstance(lora.target_modules, (set, list, tuple)):
+            # peft resolves "all-linear" to full module names; memfit takes the last names
+            settings["lora_targets"] = ",".join(sorted({name.rsplit(".", 1)[-1] for name in lora.target_modules}))
+    kinds = {type(module).__name__ for module in _base_model(model).modules()}
+    if "Linear4bit" in kinds:
+        settings["quantize_base"] = "nf4"
+    elif "Linear8bitLt" in kinds:
+        settings["quantize_base"] = "int8"
+    return settings
+
+
 def _task(model: Any) -> tuple[str, int]:
     base = _base_model(model)
     name = type(base).__name__
@@ -54,7 +77,8 @@ def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: in
                            precisions: tuple[str, ...] | None = None) -> TrainerPlan:
     """The fastest setup of ``model`` that fits ``budget`` at ``effective_batch`` samples of ``seq_len`` tokens
     per optimizer step, on ``device`` (a profile name such as ``"1080ti"``; default: where the model is), as
-    Trainer arguments; ``precisions``: only those (default: fp32 and the device's low precision). Raises
+    Trainer arguments; ``precisions``: only those (default: fp32 and the device's low precision). A model that
+    already carries LoRA adapters or a quantised base is planned with them (:func:`model_technique`). Raises
     :class:`~memfit.errors.ConfigError` with the planner's verdict when nothing fits."""
     base = _base_model(model)
     profile = (device if isinstance(device, DeviceProfile) else resolve_profile(device) if device is not None
@@ -62,9 +86,11 @@ def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: in
     task, num_labels = _task(model)
     with tempfile.TemporaryDirectory(prefix="memfit-plan-") as directory:
         config = base.config.to_dict()
+        config.pop("quantization_config", None)  # the architecture only: the technique is memfit's setting
         config.setdefault("architectures", [type(base).__name__])
         (Path(directory) / "config.json").write_text(json.dumps(config))
-        made = plan(TrainConfig(model=directory, task=task, max_length=seq_len, effective_batch=effective_batch),
+        made = plan(TrainConfig(model=directory, task=task, max_length=seq_len, effective_batch=effective_batch,
+                                **model_technique(model)),
                     device=profile, budget=budget, seq_len=seq_len, allow_lora=allow_lora, allow_qlora=allow_qlora,
                     num_labels=num_labels, suggest=False, precisions=precisions)
     with warnings.catch_warnings():  # its notes on wrapping the model are what the configs below do
@@ -134,7 +160,7 @@ def plan_for_trainer(trainer: Any, *, budget: int, profile: DeviceProfile, seq_l
                                       device=profile, precisions=(precision,))
     except ConfigError as error:
         return f"no setup of this model fits at effective batch {effective}: {error}"
-    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "fp16", "bf16", "gradient_checkpointing",
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "fp16", "bf16", checkpointing_argument(),
             "optim")
     shown = ", ".join(f"{key}={made.training_arguments[key]!r}" for key in keys)
     peak = made.plan.chosen.predicted_peak_bytes if made.plan.chosen is not None else 0

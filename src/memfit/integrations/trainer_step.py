@@ -8,7 +8,9 @@ Not memfit's engine step but the Trainer's own code, on the Trainer's own model 
   dataloader holds the next batch while it yields the current one;
 - the model: the Trainer's (wrapped) model with every parameter and buffer swapped for a fake tensor of the
   same shape, dtype and ``requires_grad`` for the trace, so checkpointing, PEFT adapters, frozen weights and
-  accelerate's autocast wrapper are the run's;
+  accelerate's autocast wrapper are the run's; a bitsandbytes 4-bit weight (QLoRA: the model loaded with
+  ``BitsAndBytesConfig(load_in_4bit=True)``) keeps a fake copy of its quantisation state, so its layers
+  dequantise in the trace as they do in the run;
 - ``Trainer.training_step`` for each micro-batch, ``Trainer._clip_grad_norm`` and the optimizer that
   ``Trainer.create_optimizer`` builds from ``args.optim``, stepped twice: the second step is the steady
   state (the optimizer's state exists), and its peak is the prediction.
@@ -81,10 +83,6 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile) -> TrainerStepEstim
     """Trace ``trainer``'s training step for ``profile`` (see the module docstring)."""
     args = trainer.args
     model: nn.Module = trainer.model_wrapped
-    if any(type(p).__name__ == "Params4bit" or getattr(p, "quant_state", None) is not None
-           for p in model.parameters()):
-        raise ConfigError("the Trainer's model has 4-bit (bitsandbytes) weights: memfit does not trace a Trainer's "
-                          "QLoRA step yet; estimate it with memfit estimate --quantize-base nf4")
     batch, unpadded = widest_batch(trainer)
     accumulation = args.gradient_accumulation_steps
     with _disable_current_modes():
@@ -149,14 +147,34 @@ def _fake_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _fake_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A fake CPU tensor per parameter (a parameter, with its ``requires_grad``) and buffer of ``model``."""
+    """A fake CPU tensor per parameter (a parameter, with its ``requires_grad``) and buffer of ``model``. A
+    bitsandbytes 4-bit weight's fake keeps a fake copy of its quantisation state (the scales its forward and
+    backward dequantise with), so the QLoRA layers run as they do on the real weights."""
     fakes: dict[str, torch.Tensor] = {}
     for name, parameter in model.named_parameters():
-        fake = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype)
-        fakes[name] = nn.Parameter(fake, requires_grad=parameter.requires_grad)
+        fake = nn.Parameter(_fake_like(parameter), requires_grad=parameter.requires_grad)
+        state = getattr(parameter, "quant_state", None)
+        if state is not None:
+            fake.quant_state = _fake_quant_state(state)  # type: ignore[attr-defined]
+        fakes[name] = fake
     for name, buffer in model.named_buffers():
-        fakes[name] = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype)
+        fakes[name] = _fake_like(buffer)
     return fakes
+
+
+def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+
+
+def _fake_quant_state(state: Any) -> Any:
+    """A copy of a bitsandbytes ``QuantState`` whose tensors (and its nested state's) are fakes."""
+    fake = copy.copy(state)
+    for name in ("absmax", "code", "offset"):
+        if isinstance(getattr(state, name, None), torch.Tensor):
+            setattr(fake, name, _fake_like(getattr(state, name)))
+    if getattr(state, "state2", None) is not None:
+        fake.state2 = _fake_quant_state(state.state2)
+    return fake
 
 
 @contextlib.contextmanager

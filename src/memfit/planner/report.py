@@ -4,6 +4,7 @@ into a training config or HF TrainingArguments."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import warnings
 from collections.abc import Callable
@@ -16,6 +17,19 @@ from memfit.errors import ConfigError
 from memfit.planner.families import Candidate, Family
 from memfit.planner.search import Search
 from memfit.report import format_bytes
+
+
+@functools.cache
+def checkpointing_argument() -> str:
+    """``TrainingArguments``' name for activation checkpointing in the installed transformers:
+    ``activation_checkpointing`` where it exists (there the older ``gradient_checkpointing`` warns that it is
+    deprecated), else ``gradient_checkpointing``."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return "activation_checkpointing"
+    names = {item.name for item in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,8 +82,11 @@ class Plan:
     def to_training_arguments(self) -> dict[str, Any]:
         """Keyword arguments for ``transformers.TrainingArguments`` that run the chosen setup in HF Trainer.
 
-        Trainer checkpoints every layer, so an every-2 plan becomes full checkpointing there (less memory,
-        slower). A for-loop AdamW plan maps to fused AdamW, which keeps no gradient-sized temporaries either.
+        Activation checkpointing under the installed transformers' name (:func:`checkpointing_argument`); where
+        it is ``activation_checkpointing``, an every-2 plan checkpoints the same layers through
+        ``every_n_layers``; with the older ``gradient_checkpointing`` Trainer checkpoints every layer, so an
+        every-2 plan becomes full checkpointing there (less memory, slower). A for-loop AdamW plan maps to
+        fused AdamW, which keeps no gradient-sized temporaries either.
         Freezing and adapters are not training arguments: a plan that freezes or trains LoRA warns, and the
         caller freezes the model or wraps it with PEFT.
         """
@@ -95,12 +112,15 @@ class Plan:
             "per_device_train_batch_size": self.chosen.micro_batch_size,
             "gradient_accumulation_steps": self.chosen.accumulation_steps,
             "fp16": family.precision == "fp16", "bf16": family.precision == "bf16",
-            "gradient_checkpointing": family.checkpointing != "none", "optim": optim,
+            checkpointing_argument(): family.checkpointing != "none", "optim": optim,
             "learning_rate": config.lr, "weight_decay": config.weight_decay,
             "max_grad_norm": config.max_grad_norm if config.max_grad_norm is not None else 0.0,
         }
         if family.checkpointing != "none":
-            arguments["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+            kwargs: dict[str, Any] = {"use_reentrant": False}
+            if family.checkpointing == "every-2" and checkpointing_argument() == "activation_checkpointing":
+                kwargs["every_n_layers"] = 2  # the same layers as memfit's (index % 2 == 0)
+            arguments[f"{checkpointing_argument()}_kwargs"] = kwargs
         if self.device == "cpu":
             arguments["use_cpu"] = True
         return arguments

@@ -111,7 +111,8 @@ def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     module: Any
     for module in model.modules():
-        state = getattr(module, "quant_state", None)
+        # the weight's own state first: a traced Trainer's fake weight carries a fake copy of the module's
+        state = getattr(getattr(module, "weight", None), "quant_state", None) or getattr(module, "quant_state", None)
         if state is not None and hasattr(state, "absmax"):  # a 4-bit layer
             tensors.append(module.weight)
             tensors.extend(_state_tensors(state))
