@@ -236,6 +236,8 @@ def _run(trainer: Any, model: nn.Module, batch: dict[str, torch.Tensor], num_ite
     hooks = [model.register_forward_pre_hook(lambda *_: phases.enter("forward")),
              model.register_forward_hook(lambda *_: phases.enter("backward"))]
     fake_items = fake_mode.from_tensor(num_items) if isinstance(num_items, torch.Tensor) else num_items
+    if isinstance(fake_items, torch.Tensor):  # the window's count, alive through it as the run's is
+        tracker.track(fake_items, category="inputs")
     optimizer = trainer.create_optimizer(getattr(trainer.accelerator, "unwrap_model", lambda m: m)(model))
     # the loop's variables that outlive their statement: the last micro-step's loss, the last clip's norm
     step_loss = grad_norm = None
