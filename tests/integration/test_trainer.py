@@ -4,6 +4,7 @@ Trainer runs with."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -129,11 +130,16 @@ def test_planned_arguments_build_training_arguments_that_run(tmp_path: Any) -> N
     model = _model()
     planned = plan_trainer_arguments(model, budget="2GiB", effective_batch=8, seq_len=LENGTH, device="cpu")
     assert planned.lora_config is None and planned.plan.chosen is not None
-    arguments = planned.training_arguments
-    assert arguments["per_device_train_batch_size"] * arguments["gradient_accumulation_steps"] == 8
+    assert planned.training_arguments["per_device_train_batch_size"] * \
+        planned.training_arguments["gradient_accumulation_steps"] == 8
+    # the same plan checkpointing every second layer: Trainer checkpoints the layers memfit's every-2 does
+    chosen = planned.plan.chosen
+    every_2 = dataclasses.replace(chosen, family=dataclasses.replace(chosen.family, checkpointing="every-2"))
+    arguments = dataclasses.replace(planned.plan, chosen=every_2).to_training_arguments()
     trainer = _trainer(tmp_path, model=model, **{**arguments, "max_steps": 1})
     trainer.train()
     assert trainer.state.global_step == 1
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
 
 
 def test_trls_sft_trainer_gets_the_same_callback(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
