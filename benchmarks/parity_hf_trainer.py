@@ -40,6 +40,7 @@ from rich.console import Console
 from memfit import TrainConfig, train
 from memfit.build import Prepared, prepare
 from memfit.data import TextExamples
+from memfit.integrations import transformers as _quiet  # noqa: F401  (Trainer's libraries, imported quietly)
 from memfit.memory.tracker import StorageTracker
 from memfit.report import format_bytes
 from memfit.techniques.precision import Precision
@@ -94,7 +95,7 @@ def trainer_run(config: TrainConfig, prepared: Prepared, directory: str, optim: 
     wall = time.perf_counter() - started
     validation = LocalWindows(model, prepared.encoder(prepared.val_examples), precision=Precision("fp32", "cpu"),
                               scaler=None, device=torch.device("cpu"), phases=tracker, stop_requested=lambda: False)
-    accuracy, _ = evaluate(validation, len(prepared.val_examples), config.eval_batch_size)
+    accuracy = evaluate(validation, len(prepared.val_examples), config.eval_batch_size)["accuracy"]
     return {"seconds": times.seconds, "peak_bytes": tracker.peak_bytes, "val_accuracy": accuracy,
             "samples_per_second_run": len(dataset) / wall, "optimizer": arguments.optim}
 
