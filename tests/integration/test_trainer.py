@@ -171,7 +171,7 @@ def test_trls_sft_trainer_gets_the_same_callback(tmp_path: Any, capsys: pytest.C
 
 def test_a_lora_plan_emits_python_that_builds_the_trainer_arguments_and_the_adapters(tmp_path: Any) -> None:
     from memfit import TrainConfig
-    from memfit.integrations.trainer_plan import trainer_snippet
+    from memfit.integrations.trainer_plan import adapter_settings, trainer_snippet
     from memfit.planner import plan
     from tests.conftest import write_tiny_llm
 
@@ -187,6 +187,14 @@ def test_a_lora_plan_emits_python_that_builds_the_trainer_arguments_and_the_adap
     arguments = namespace["arguments"]
     assert arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps == 4
     assert type(namespace["model"]).__name__ == "PeftModelForCausalLM"
+    # a QLoRA plan's 4-bit layers compute in the plan's precision, as memfit's own run of it does
+    chosen = made.chosen
+    assert chosen is not None
+    for precision, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        family = dataclasses.replace(chosen.family, quantize_base="nf4", precision=precision)
+        qlora = dataclasses.replace(made, chosen=dataclasses.replace(chosen, family=family))
+        quantization = adapter_settings(qlora, "causal-lm")[1]
+        assert quantization is not None and quantization["bnb_4bit_compute_dtype"] == dtype
 
 
 def test_a_qlora_trainer_is_traced_on_its_4bit_weights_and_planned_as_qlora(tmp_path: Any) -> None:

@@ -123,7 +123,7 @@ def adapter_settings(made: Plan, task: str) -> tuple[dict[str, Any] | None, dict
     if family.quantize_base != "nf4":
         return lora, None
     return lora, {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                  "bnb_4bit_compute_dtype": "bfloat16" if family.precision == "bf16" else "float16"}
+                  "bnb_4bit_compute_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(family.precision, "float32")}
 
 
 def trainer_snippet(made: Plan) -> str:
