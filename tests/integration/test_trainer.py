@@ -220,3 +220,22 @@ def test_a_qlora_trainer_is_traced_on_its_4bit_weights_and_planned_as_qlora(tmp_
     assert callback.predicted is not None and callback.predicted.breakdown["quantized_weights"] > 0
     measured = [entry["memfit/peak_bytes"] for entry in trainer.state.log_history if "loss" in entry][1:]
     assert measured == [callback.predicted.peak_bytes] * 2
+
+
+def test_an_8bit_trainer_is_refused_before_its_first_step(tmp_path: Any) -> None:
+    """bitsandbytes' 8-bit layers keep their int8 codes in a state object beside the weight, which the trace's
+    fake weights cannot stand for: refused before any step, naming memfit's own estimate of that setup."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.errors import ConfigError
+
+    directory = tmp_path / "llama"
+    _model().save_pretrained(directory)
+    peft = pytest.importorskip("peft")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    trainer = _trainer(tmp_path, model=model)
+    MemfitCallback.attach(trainer)
+    with pytest.raises(ConfigError, match=r"8-bit .* --quantize-base int8"):
+        trainer.train()
+    assert trainer.state.global_step == 0

@@ -83,6 +83,10 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile) -> TrainerStepEstim
     """Trace ``trainer``'s training step for ``profile`` (see the module docstring)."""
     args = trainer.args
     model: nn.Module = trainer.model_wrapped
+    if any(type(module).__name__ == "Linear8bitLt" for module in model.modules()):
+        raise ConfigError("the Trainer's model has 8-bit (bitsandbytes) weights, whose layers keep their int8 state "
+                          "outside the weights: memfit traces 4-bit QLoRA models, not 8-bit ones; estimate it with "
+                          "memfit estimate --lora-rank R --quantize-base int8")
     batch, unpadded = widest_batch(trainer)
     accumulation = args.gradient_accumulation_steps
     with _disable_current_modes():
