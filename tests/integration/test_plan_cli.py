@@ -10,7 +10,7 @@ import pytest
 from memfit.config import TrainConfig
 from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
-from tests.helpers import memfit
+from tests.helpers import in_process, memfit
 
 PLAN_KEYS = {"chosen", "candidates", "budget_bytes", "device"}
 CHOSEN_KEYS = {"micro_batch_size", "accumulation_steps", "precision", "checkpointing", "optimizer",
@@ -78,10 +78,11 @@ def test_plan_json_saves_a_plan_that_train_uses(task: tuple[Path, Path], tmp_pat
         chosen["micro_batch_size"], chosen["accumulation_steps"], chosen["precision"])
 
 
-def test_nothing_fits_is_one_clear_answer(task: tuple[Path, Path], tmp_path: Path) -> None:
+def test_nothing_fits_is_one_clear_answer(task: tuple[Path, Path], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     model, data = task
-    planned = memfit("plan", "--model", str(model), "--seq-len", "32", "--effective-batch", "8", "--device", "cpu",
-                     "--budget", "100KiB", "--precision", "fp32")
+    planned = in_process(["plan", "--model", str(model), "--seq-len", "32", "--effective-batch", "8", "--device",
+                          "cpu", "--budget", "100KiB", "--precision", "fp32"], capsys)
     assert planned.returncode == 1
     assert "memfit: nothing fits: 100.0 KiB" in planned.stderr and "the smallest any allowed setup needs" in \
         planned.stderr
