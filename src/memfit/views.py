@@ -44,7 +44,8 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
         ranks = f"{family.strategy}: " if family.ranks else ""
         table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
                       family.precision,
-                      family.checkpointing, optimizer, fits, peak, f"{candidate.predicted_samples_per_second:.1f}",
+                      family.checkpointing + (f", loss/{family.loss_chunk}" if family.loss_chunk else ""), optimizer,
+                      fits, peak, f"{candidate.predicted_samples_per_second:.1f}",
                       speed, candidate.reason)
     console.print(table)
     if len(result.candidates) > top:

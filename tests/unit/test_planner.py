@@ -301,3 +301,32 @@ def test_a_deep_models_line_point_is_its_full_depth_trace_on_cpu(tmp_path: Path)
     assert (line.peak_bytes, line.phases, line.breakdown) == (full.peak_bytes, full.phases, full.breakdown)
     assert (line.flops, line.traced_ops, line.trainable_parameters) == (full.flops, full.traced_ops,
                                                                           full.trainable_parameters)
+
+
+def test_a_causal_lm_whose_logits_do_not_fit_is_planned_with_a_chunked_loss(tmp_path: Path) -> None:
+    """A large vocabulary over a long sequence: the logits and the loss's copies of them dominate, so even full
+    checkpointing does not fit and the loss in chunks does; the plan says so, and its peak is what
+    ``memfit estimate`` gives that setup."""
+    from memfit.planner.families import LOSS_CHUNK
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"vocab_size": 4096, "max_position_embeddings": 1024})
+    config = TrainConfig(model=str(model), max_length=1024, effective_batch=2, task="causal-lm")
+    traces: dict[Any, Estimate] = {}
+
+    def planned(budget: int) -> Plan:
+        return plan(config, device="cpu", budget=int(budget / 0.95), seq_len=1024, cache=traces,
+                    precisions=("fp32",), suggest=False)
+
+    probe = planned(1000)  # nothing fits: the least need is a chunked loss's
+    least = min((c for c in probe.candidates if c.exact), key=lambda c: c.predicted_peak_bytes or 0)
+    unchunked = estimate(dataclasses.replace(config, micro_batch_size=1, precision="fp32", checkpointing="full"),
+                         device="cpu", seq_len=1024).total_bytes  # the leanest setup without chunks
+    assert least.family.loss_chunk == LOSS_CHUNK and (least.predicted_peak_bytes or 0) < 0.8 * unchunked
+    assert "loss in chunks of 256" in probe.verdict
+
+    made = planned(((least.predicted_peak_bytes or 0) + unchunked) // 2)
+    assert made.chosen is not None and made.chosen.family.loss_chunk == LOSS_CHUNK and made.chosen.exact
+    run = made.to_config()
+    assert run.loss_chunk == LOSS_CHUNK and run.checkpointing == "full"
+    assert estimate(run, device="cpu", seq_len=1024).total_bytes == made.chosen.predicted_peak_bytes

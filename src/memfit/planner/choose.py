@@ -15,7 +15,15 @@ from memfit.config import DEVICES, TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.estimate import Estimate, prepare_trace
-from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, leaner_kernels, strategies
+from memfit.planner.families import (
+    CHECKPOINTING,
+    Candidate,
+    Family,
+    default_kernels,
+    leaner_kernels,
+    strategies,
+    with_chunked_loss,
+)
 from memfit.planner.report import Plan, load_plan, rank_candidates, verdict_line
 from memfit.planner.search import Search
 from memfit.report import format_bytes
@@ -49,13 +57,14 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     profile, budget_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
                                             allow_8bit=allow_8bit_optimizer,
                                             lora_rank=lora_rank if allow_lora or allow_qlora else None)
-    spec = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1).spec  # errors now
+    inputs = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # errors now
+    spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache, layers=spec.num_layers)
     chosen_precisions = tuple(sorted((p for p in profile.precisions() if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
-    chosen, smallest = _neutral(search, base, profile, chosen_precisions)
+    chosen, smallest = _neutral(search, base, profile, chosen_precisions, inputs.task)
     advice: list[str] = []
     if chosen is None:
         chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
@@ -64,7 +73,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
         stages = {name: allowed for name, allowed in (("lora", allow_lora), ("qlora", allow_qlora))
                   if allowed or suggest}
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
-                           optimizers=("adamw", "adamw8bit") if allow_8bit_optimizer else ("adamw",))
+                           optimizers=("adamw", "adamw8bit") if allow_8bit_optimizer else ("adamw",),
+                           task=inputs.task)
     techniques = {"lora": allow_lora, "qlora": allow_qlora, "full": True}
     ranked = rank_candidates(search, chosen, allowed=lambda f: (f.freeze == "none" or allow_freeze)
                              and (f.optimizer != "adamw8bit" or allow_8bit_optimizer) and techniques[f.technique]
@@ -79,23 +89,32 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                 config=base.to_dict())
 
 
-def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile,
-             precisions: tuple[str, ...]) -> tuple[Candidate | None, Candidate | None]:
+def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisions: tuple[str, ...],
+             task: str) -> tuple[Candidate | None, Candidate | None]:
     """(the fastest accuracy-neutral setup that fits, or ``None``; when none does, the least any needs, with
     the leanest optimizer step)."""
-    neutral = [Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
-                      optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base)
-               for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING]
+    neutral = with_chunked_loss([
+        Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
+               optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base)
+        for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
     search.search(neutral)
     chosen = search.best(confirmed=True)
     if chosen is not None:
         return chosen, None
     smallest = search.smallest(neutral)
+    if smallest.fits:
+        # micro-batch 1 fits where the family's line said none would (a line through larger micro-batches
+        # misjudges the small ones; most with a chunked loss): its larger micro-batches, traced while they fit
+        for micro in sorted(m for m in search.micros if m > 1):
+            if not search.exact_candidate(smallest.family, micro).fits:
+                break
+        return search.best(confirmed=True), None
     for kernels in leaner_kernels(smallest.family):
         leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels), 1)
         if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
             smallest = leaner
-    return search.best(confirmed=True), smallest
+    chosen = search.best(confirmed=True)  # a leaner step's micro-batch 1 may fit
+    return chosen, None if chosen is not None else smallest
 
 
 def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Plan]:
@@ -220,7 +239,7 @@ BITSANDBYTES_CAPABILITY = (6, 0)
 
 
 def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
-              rank: int, advice: list[str], optimizers: tuple[str, ...]) -> Candidate | None:
+              rank: int, advice: list[str], optimizers: tuple[str, ...], task: str) -> Candidate | None:
     """When no full fine-tuning fits: LoRA, then QLoRA (``stages``: which the user allows). Each says what it
     needs at least (micro-batch 1, full checkpointing, the leanest precision); the first allowed one that fits
     is searched like the neutral families and its fastest setup chosen."""
@@ -231,9 +250,10 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             advice.append(f"{flag}: {problem}")
             continue
         quantized = "nf4" if technique == "qlora" else "none"
-        families = [Family(precision=p, checkpointing=c, kernels=default_kernels(o, "none", profile), optimizer=o,
-                           lora_rank=rank, quantize_base=quantized)
-                    for o in optimizers for p in precisions for c in CHECKPOINTING]
+        families = with_chunked_loss([
+            Family(precision=p, checkpointing=c, kernels=default_kernels(o, "none", profile), optimizer=o,
+                   lora_rank=rank, quantize_base=quantized)
+            for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
         need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1],
                                                           kernels=default_kernels(optimizers[-1], "none", profile)), 1)
         advice.append(f"{flag} (r={rank}) {'would fit' if need.fits else 'would not fit either'}: it needs at least "

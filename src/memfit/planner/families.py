@@ -12,6 +12,10 @@ from memfit.devices import DeviceProfile
 
 CHECKPOINTING = ("none", "every-2", "full")
 """The checkpointing a plan chooses from, least recompute first."""
+LOSS_CHUNK = 256
+"""Token positions per chunk of a causal LM's loss when the planner chooses chunking
+(:mod:`memfit.techniques.chunked_loss`): the fp32 logits of 256 positions are live at a time, not the
+sequence's (2,048 x 128,256 fp32 are 1.0 GiB, and the loss keeps more of that size)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +38,9 @@ class Family:
     """``nf4`` under LoRA: QLoRA's 4-bit base weights."""
     offload_optimizer: bool = False
     """The optimizer's state and update on the host (one CUDA card): the same update, slower steps."""
+    loss_chunk: int | None = None
+    """A causal LM's loss over chunks of this many positions, their logits recomputed in backward (the same
+    loss; one more pass of the output layer); ``None``: the run's own setting."""
 
     @property
     def ranks(self) -> bool:
@@ -84,7 +91,8 @@ class Family:
             fused=self.kernels == "fused" and self.optimizer == "adamw", optimizer=self.optimizer,
             freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
             train_top_layers=top if top is not None else base.train_top_layers,
-            lora_rank=self.lora_rank, quantize_base=self.quantize_base, offload_optimizer=self.offload_optimizer)
+            lora_rank=self.lora_rank, quantize_base=self.quantize_base, offload_optimizer=self.offload_optimizer,
+            loss_chunk=self.loss_chunk if self.loss_chunk is not None else base.loss_chunk)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,7 +127,7 @@ class Candidate:
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
                 "distributed": self.family.strategy, "world_size": self.world_size,
                 "lora_rank": self.family.lora_rank, "quantize_base": self.family.quantize_base,
-                "offload_optimizer": self.family.offload_optimizer,
+                "offload_optimizer": self.family.offload_optimizer, "loss_chunk": self.family.loss_chunk,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -133,9 +141,20 @@ class Candidate:
         per_rank = " per rank" if self.family.ranks else ""
         adapters = f", {self.family.technique_label}" if self.family.lora_rank else ""
         host = " on the host" if self.family.offload_optimizer else ""
+        chunks = f", loss in chunks of {self.family.loss_chunk}" if self.family.loss_chunk else ""
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
-                f"{self.family.precision}, checkpointing {self.family.checkpointing}, "
+                f"{self.family.precision}, checkpointing {self.family.checkpointing}{chunks}, "
                 f"{self.family.optimizer_label}{host}{freeze}{adapters}")
+
+
+def with_chunked_loss(families: list[Family], base: TrainConfig, task: str) -> list[Family]:
+    """``families`` and, for a causal LM whose run does not set ``--loss-chunk``, each fully checkpointed one
+    again with its loss in chunks of :data:`LOSS_CHUNK`: where even full checkpointing leaves too much, the
+    logits of the whole sequence are often what is left."""
+    if task != "causal-lm" or base.loss_chunk is not None:
+        return families
+    chunked = [dataclasses.replace(f, loss_chunk=LOSS_CHUNK) for f in families if f.checkpointing == "full"]
+    return [*families, *chunked]
 
 
 def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile) -> str:

@@ -101,6 +101,10 @@ class Plan:
             warnings.warn(f"the plan trains LoRA r={family.lora_rank} adapters{base}: "
                           "memfit.integrations.trainer_plan.plan_trainer_arguments returns their LoraConfig, "
                           "memfit plan --emit trainer prints it; apply it before building the Trainer", stacklevel=2)
+        if family.loss_chunk:
+            warnings.warn(f"the plan computes the loss in chunks of {family.loss_chunk} positions (memfit "
+                          "--loss-chunk): Trainer computes it over the whole sequence, which needs more memory "
+                          "than the plan's peak; train with memfit to keep it", stacklevel=2)
         if family.offload_optimizer:
             warnings.warn("the plan keeps the optimizer's state on the host: Trainer does that only through "
                           "DeepSpeed (ZeRO stage 2 with offload_optimizer device 'cpu'); or train with memfit "
@@ -150,7 +154,7 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
                     freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
                     strategy=raw.get("distributed", "none"), lora_rank=raw.get("lora_rank", 0),
                     quantize_base=raw.get("quantize_base", "none"),
-                    offload_optimizer=raw.get("offload_optimizer", False))
+                    offload_optimizer=raw.get("offload_optimizer", False), loss_chunk=raw.get("loss_chunk"))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],

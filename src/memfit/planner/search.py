@@ -200,6 +200,7 @@ class Search:
                  == (family.freeze, family.optimizer, family.lora_rank, family.quantize_base,
                      family.offload_optimizer)
                  and CHECKPOINTING.index(other.checkpointing) <= rank
+                 and other.loss_chunk in (None, family.loss_chunk)  # chunking only adds work
                  and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
         flops = max((cost.flops_per_sample for _, cost in known), default=0.0)
         ops = max((cost.ops_per_micro_step for other, cost in known
@@ -263,10 +264,12 @@ class Search:
 
     def smallest(self, families: list[Family]) -> Candidate:
         """The least memory any of ``families`` needs, traced exactly: micro-batch 1 of every family whose line
-        comes within ``SMALLEST_BAND`` of the lowest there (a line through larger micro-batches can misjudge
-        micro-batch 1, e.g. autocast's cached 16-bit weight copies against fp32's larger activations)."""
+        comes within ``SMALLEST_BAND`` of the lowest there, and of every family with a chunked loss (a line
+        through larger micro-batches can misjudge micro-batch 1, e.g. autocast's cached 16-bit weight copies
+        against fp32's larger activations)."""
         fitted = [family for family in families if family in self.lines]
         predicted = [self.predict(family, 1) for family in fitted]
         lowest = min(c.predicted_peak_bytes or 0 for c in predicted)
-        near = [c.family for c in predicted if (c.predicted_peak_bytes or 0) <= lowest * (1 + SMALLEST_BAND)]
+        near = [c.family for c in predicted if (c.predicted_peak_bytes or 0) <= lowest * (1 + SMALLEST_BAND)
+                or c.family.loss_chunk is not None]  # their lines miss micro-batch 1 most (logits per chunk)
         return min((self.exact_candidate(family, 1) for family in near), key=lambda c: c.predicted_peak_bytes or 0)
