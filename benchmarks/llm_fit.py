@@ -58,8 +58,9 @@ def cell(row: dict[str, Any] | None) -> str:
         return "-"
     if row["fits"]:
         chosen = row["chosen"]
+        chunks = f", loss/{chosen['loss_chunk']}" if chosen.get("loss_chunk") else ""
         return (f"{format_bytes(row['peak_bytes'])} ({chosen['micro_batch_size']}x{chosen['accumulation_steps']}, "
-                f"{chosen['precision']}, ckpt {chosen['checkpointing']})")
+                f"{chosen['precision']}, ckpt {chosen['checkpointing']}{chunks})")
     return f"does not fit (needs {format_bytes(row['peak_bytes'])})"
 
 
