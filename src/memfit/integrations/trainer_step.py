@@ -147,7 +147,7 @@ class _PlaceholderReads(TorchDispatchMode):
 
 def _fake_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A new tensor of each of ``batch``'s shapes (fake inside the trace: no values, no memory)."""
-    return {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in batch.items()}
+    return {name: _fake_like(tensor) for name, tensor in batch.items()}
 
 
 def _fake_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
