@@ -17,6 +17,14 @@ double quantisation on); ``int8`` uses ``bitsandbytes.nn.Linear8bitLt`` without 
 (``threshold=0``). The model is quantised on the host, where it is built; the packed weights then move to the
 device as they are.
 
+The ``int8`` layers run bitsandbytes' forward but not its backward (:class:`FrozenInt8Matmul`):
+bitsandbytes' 8-bit matmul keeps each layer's input as a plain attribute of its autograd context, for the
+weight's gradient, which a frozen weight never has. Activation checkpointing and saved-tensor hooks only see
+what ``save_for_backward`` saves, so a checkpointed block kept every Linear input alive anyway (Llama-2-7B,
+4 x 2048 tokens, fp16: 11 GiB; without checkpointing, 9 GiB of inputs no other op keeps). Backward needs
+only ``grad_output @ W``, which memfit computes with bitsandbytes' own formula: the gradients are the same
+to the bit.
+
 The estimator builds the same layers on fake tensors: bitsandbytes registers fake kernels for its ops, so the
 packed weights, scales and quantisation state have their real shapes and dtypes and are counted storage by
 storage, as in a real run (:func:`quantized_tensors`).
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -100,9 +109,50 @@ def _quantized(linear: nn.Linear, kind: str, compute_dtype: torch.dtype) -> Any:
         parameter.CB, parameter.SCB = codes, scales  # type: ignore[attr-defined]
         module.weight = parameter
         module.state.CB, module.state.SCB = codes, scales
+        # an instance's forward, not a subclass: bitsandbytes is optional and imported only when used
+        module.forward = functools.partial(frozen_int8_forward, module)
     if bias:
         module.bias = nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
     return module
+
+
+def frozen_int8_forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s (a ``bitsandbytes.nn.Linear8bitLt`` with a frozen weight) forward, keeping nothing of ``x``
+    for backward; bitsandbytes' own forward where no gradient is recorded (evaluation, generation)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return FrozenInt8Matmul.apply(x, layer)
+    return type(layer).forward(layer, x)
+
+
+class FrozenInt8Matmul(torch.autograd.Function):
+    """``y = x @ W.T (+ b)`` for a frozen int8 weight ``W``: bitsandbytes' forward, the input's gradient only.
+
+    The forward runs bitsandbytes' ``Linear8bitLt.forward`` inside this function's forward, where autograd
+    records nothing: its context (and the reference to ``x`` it keeps there) is dropped on return. The backward
+    is bitsandbytes' own input gradient (``MatMul8bitLt`` and ``MatMul8bitFp`` share it, bitsandbytes 0.50.2):
+    the weight dequantised into the input's dtype from its int8 rows ``state.CB`` and row scales
+    ``state.SCB``, then ``grad_output @ W``; the same ops in the same dtypes, so gradients equal bitsandbytes'
+    to the bit. Nothing is saved; the weight and bias get no gradient (they never train here).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: Any) -> torch.Tensor:
+        assert not layer.weight.requires_grad and (layer.bias is None or not layer.bias.requires_grad)
+        output: torch.Tensor = type(layer).forward(layer, x)
+        ctx.state, ctx.input_dtype, ctx.input_shape = layer.state, x.dtype, x.shape
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _int8_input_grad(grad_output, ctx.state, ctx.input_dtype, ctx.input_shape), None
+
+
+def _int8_input_grad(grad_output: torch.Tensor, state: Any, input_dtype: torch.dtype,
+                     input_shape: Sequence[int]) -> torch.Tensor:
+    if grad_output.dim() == 3:  # (B, S, out) -> (B*S, out)
+        grad_output = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+    weight = state.CB.to(input_dtype, copy=True).mul_(state.SCB.unsqueeze(1).mul(1.0 / 127.0))  # (out, in)
+    return torch.matmul(grad_output.to(input_dtype), weight).view(input_shape)
 
 
 def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
