@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of memfit in one run of about 9 minutes, its results as three files in $OUT:
+# Every GPU check of memfit in one run of about 10 minutes, its results as three files in $OUT:
 #   summary.md       what a person reads: device, each step's status and time, the estimator's worst errors,
 #                    the bench table;
 #   summary.json     the same as data;
@@ -7,7 +7,8 @@
 # The steps, each under its own time limit so the whole run ends in time:
 #   1. the tests marked gpu (tests/gpu), then (on a GPU) the cuBLAS workspace probe;
 #   2. the estimator validation grid (predicted vs measured peak allocated/reserved per setup), BERT, ViT and
-#      two causal LMs (SmolLM2-360M, Llama-3.2-1B with its top 4 layers trained);
+#      two causal LMs (SmolLM2-360M, Llama-3.2-1B with its top 4 layers trained); then (on a GPU) the rows with
+#      activations offloaded to the host (--offload-activations; predicted vs measured host bytes too);
 #   3. memfit bench on BERT-base at seq 128 (random init: memory and speed are real, accuracy is not a
 #      pretrained model's), capped to a GTX 1080 Ti's 11 GiB (memfit bench --device-profile 1080ti).
 # A big card capped at 11 GiB has the 1080 Ti's memory, not its speed: compare the memory columns with a
@@ -65,6 +66,8 @@ step tests_gpu 75 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" test
 [ $DRY_RUN = 1 ] || step workspace_probe 20 $PY benchmarks/cuda_workspace_probe.py
 step validate_estimator 170 $PY benchmarks/validate_estimator.py "${GRID[@]}" \
     --json "$WORK/results/validate_estimator.json"
+[ $DRY_RUN = 1 ] || step validate_offload 60 $PY benchmarks/validate_estimator.py --grid activations \
+    --memory-gib 11 --json "$WORK/results/validate_offload.json"
 step bench_data 15 $PY benchmarks/gpu_bench_data.py "$WORK" "$MODEL"
 step bench 220 $PY -m memfit bench --model "$WORK/$MODEL" --data "$WORK/long.csv" --max-length $SEQ \
     "${BENCH[@]}" --samples $SAMPLES --val-samples $VAL --speed-rounds 1 --speed-steps 4 \

@@ -1,7 +1,8 @@
 """Summarise a benchmarks/gpu_check.sh run: ``summary.md`` and ``summary.json`` in the output directory.
 
 Reads the run's work directory: ``steps.tsv`` (name, exit code, seconds per step), ``results/device.txt``,
-``results/validate_estimator.json`` and ``results/bench/bench.json``. Exits 1 when a step failed.
+``results/validate_estimator.json`` and ``results/validate_offload.json`` (activation offload rows, with
+their host bytes) and ``results/bench/bench.json``. Exits 1 when a step failed.
 
     python benchmarks/gpu_summary.py WORK_DIR OUT_DIR [--dry-run]
 """
@@ -16,6 +17,7 @@ from typing import Any
 from memfit.report import format_bytes
 
 TIMED_OUT = (124, 137)
+VALIDATIONS = ("validate_estimator.json", "validate_offload.json")
 
 
 def steps(work: Path) -> list[dict[str, Any]]:
@@ -28,10 +30,11 @@ def steps(work: Path) -> list[dict[str, Any]]:
 
 
 def validation(work: Path) -> dict[str, Any] | None:
-    path = work / "results" / "validate_estimator.json"
-    if not path.is_file():
+    paths = [work / "results" / name for name in VALIDATIONS if (work / "results" / name).is_file()]
+    if not paths:
         return None
-    rows = [row for row in json.loads(path.read_text())["rows"] if isinstance(row["allocated_error_percent"], float)]
+    rows = [row for path in paths for row in json.loads(path.read_text())["rows"]
+            if isinstance(row["allocated_error_percent"], float)]
     if not rows:
         return {"measured_rows": 0}
     worst = max(rows, key=lambda row: abs(row["allocated_error_percent"]))
@@ -41,11 +44,15 @@ def validation(work: Path) -> dict[str, Any] | None:
             "worst_reserved_error_percent": worst_reserved["reserved_error_percent"],
             "worst_reserved_case": case_name(worst_reserved),
             "rows": [{"case": case_name(row), "allocated_error_percent": row["allocated_error_percent"],
-                      "reserved_error_percent": row["reserved_error_percent"]} for row in rows]}
+                      "reserved_error_percent": row["reserved_error_percent"],
+                      **({"predicted_host_bytes": row.get("predicted_host_bytes"),
+                          "measured_host_bytes": row.get("measured_host_bytes")}
+                         if row.get("offload_activations") else {})} for row in rows]}
 
 
 def case_name(row: dict[str, Any]) -> str:
-    return f"{row['model']} B{row['batch']} L{row['length']} {row['precision']} ckpt {row['checkpointing']}"
+    return (f"{row['model']} B{row['batch']} L{row['length']} {row['precision']} ckpt {row['checkpointing']}"
+            + (" activations offloaded" if row.get("offload_activations") else ""))
 
 
 def bench(work: Path) -> list[dict[str, Any]] | None:
@@ -70,6 +77,9 @@ def markdown(summary: dict[str, Any]) -> str:
                   "|---|---|---|"]
         lines += [f"| {row['case']} | {row['allocated_error_percent']:+.2f} % | "
                   f"{row['reserved_error_percent']:+.2f} % |" for row in valid["rows"]]
+        for row in (row for row in valid["rows"] if "predicted_host_bytes" in row):  # activations offloaded
+            lines += ["", f"{row['case']}: host memory {format_bytes(row['predicted_host_bytes'])} predicted, "
+                          f"{format_bytes(row['measured_host_bytes'])} measured."]
     if summary["bench"]:
         lines += ["", "| bench setup | micro x acc | peak allocated | reserved | predicted | samples/s | val acc |",
                   "|---|---|---|---|---|---|---|"]

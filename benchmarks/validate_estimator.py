@@ -14,6 +14,7 @@ predictions of the CUDA grid for ``--device`` with the measured columns left emp
     .venv/bin/python benchmarks/validate_estimator.py --dry-run --json benchmarks/results/validate_estimator_dry.json
     python benchmarks/validate_estimator.py --grid full --json results/validate_estimator_h200.json  # on a GPU
     python benchmarks/validate_estimator.py --grid lora --json results/validate_lora_h200.json   # LoRA, offload rows
+    python benchmarks/validate_estimator.py --grid activations --json results/validate_offload_h200.json
     .venv/bin/python benchmarks/validate_estimator.py --measured results/validate_estimator_h200.json --device h200
 """
 
@@ -39,6 +40,7 @@ from memfit.memory.estimate import estimate, prepare_trace, run_steps
 from memfit.memory.monitor import Monitor
 from memfit.memory.tracker import StorageTracker
 from memfit.report import format_bytes
+from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.precision import Precision
 
 GiB = 1024**3
@@ -55,6 +57,7 @@ class Case:
     train_top_layers: int | None = None
     lora_rank: int = 0
     offload_optimizer: bool = False
+    offload_activations: bool = False
 
     @property
     def vision(self) -> bool:
@@ -64,7 +67,8 @@ class Case:
         return TrainConfig(model=self.model, micro_batch_size=self.batch, effective_batch=self.batch,
                            max_length=self.length if not self.vision else 128, precision=self.precision,
                            checkpointing=self.checkpointing, train_top_layers=self.train_top_layers,
-                           lora_rank=self.lora_rank, offload_optimizer=self.offload_optimizer)
+                           lora_rank=self.lora_rank, offload_optimizer=self.offload_optimizer,
+                           offload_activations=self.offload_activations)
 
     def shape(self) -> dict[str, Any]:
         return {"seq_len": None if self.vision else self.length, "image_size": self.length if self.vision else None}
@@ -80,6 +84,11 @@ def cuda_grid(name: str) -> list[Case]:
     checkpointing = ("none", "full")
     if name == "tiny":
         return []
+    if name == "activations":  # saved activations offloaded to the host, each beside a setup without it
+        return [Case("bert-base", 8, 512, "fp16", "none"), Case("bert-base", 8, 512, "fp16", "none",
+                                                                 offload_activations=True),
+                Case("bert-base", 8, 512, "fp16", "full", offload_activations=True),
+                Case("smollm2-360m", 4, 512, "bf16", "full", offload_activations=True)]
     if name == "lora":  # LoRA r=16 on a 16-bit base (PEFT; QLoRA needs bitsandbytes on the card), and full
         # fine-tuning with the optimizer offloaded to the host
         return [Case("smollm2-360m", 4, 512, "bf16", "none", lora_rank=16),
@@ -118,8 +127,10 @@ def tiny_grid(directory: Path) -> list[Case]:
 
 
 def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[str, int]:
-    """Peak bytes of step 2 (after a warm-up step) on ``device``: the CUDA allocator's, or tracked on CPU."""
+    """Peak bytes of step 2 (after a warm-up step) on ``device``: the CUDA allocator's, or tracked on CPU; and
+    the most host memory the offloaded activations held (``host``; 0 without offloading)."""
     config = case.config()
+    offload = ActivationOffload() if config.offload_activations else None
     trace = prepare_trace(config, device=profile, **case.shape())
     precision = Precision(trace.precision, device.type)
     model = build_with_techniques(trace.spec, config, label_names=["0", "1"], pad_token_id=0, task=trace.task,
@@ -138,18 +149,19 @@ def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[st
             run_steps(model, config, precision, trace.windows, trace.window_items, device=device, phases=monitor,
                       scaler=precision.make_scaler(init_scale=config.init_scale,
                                                    growth_interval=config.growth_interval),
-                      cuda=True, after_step=reset_after_warm_up)
+                      cuda=True, after_step=reset_after_warm_up, offload=offload)
             torch.cuda.synchronize()
         # the monitor resets the allocator's peak statistics at each phase: its snapshot holds the step's peak
         peaks = monitor.snapshot()
-        result = {"allocated": peaks.peak_bytes, "reserved": peaks.peak_reserved_bytes or 0}
+        result = {"allocated": peaks.peak_bytes, "reserved": peaks.peak_reserved_bytes or 0,
+                  "host": offload.peak_bytes if offload is not None else 0}
         del model
         gc.collect()
         torch.cuda.empty_cache()
         return result
     with StorageTracker() as tracker:
         run_steps(model, config, precision, trace.windows, trace.window_items, device=device, phases=tracker)
-    return {"allocated": tracker.peak_bytes, "reserved": tracker.peak_bytes}
+    return {"allocated": tracker.peak_bytes, "reserved": tracker.peak_bytes, "host": 0}
 
 
 def error_percent(predicted: int, measured: int | None) -> float | None:
@@ -167,6 +179,8 @@ def row(case: Case, profile: DeviceProfile, measured: dict[str, int] | None) -> 
             "allocated_error_percent": error_percent(predicted.peak_bytes, allocated),
             "predicted_reserved_bytes": predicted.peak_reserved_bytes, "measured_reserved_bytes": reserved,
             "reserved_error_percent": error_percent(predicted.peak_reserved_bytes, reserved),
+            "predicted_host_bytes": predicted.host_bytes,
+            "measured_host_bytes": measured.get("host") if measured else None,
             "peak_phase": predicted.peak_phase, "estimate_seconds": round(seconds, 2)}
 
 
@@ -183,6 +197,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         model = f"{r['model']} LoRA r={r['lora_rank']}" if r.get("lora_rank") else r["model"]
         model += " (optimizer offloaded)" if r.get("offload_optimizer") else ""
+        model += (f" (activations offloaded: host {cell(r.get('predicted_host_bytes'), True)} predicted, "
+                  f"{cell(r.get('measured_host_bytes'), True)} measured)" if r.get("offload_activations") else "")
         lines.append(f"| {model} | {r['batch']} | {r['length']} | {r['precision']} | {r['checkpointing']} | "
                      f"{r['device']} | {cell(r['predicted_allocated_bytes'], True)} | "
                      f"{cell(r['measured_allocated_bytes'], True)} | {cell(r['allocated_error_percent'])} | "
@@ -193,9 +209,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grid", choices=("tiny", "small", "full", "lora"), default="small",
+    parser.add_argument("--grid", choices=("tiny", "small", "full", "lora", "activations"), default="small",
                         help="the CUDA setups; tiny: none (a dry run measures only its CPU grid); lora: LoRA r=16 "
-                             "on four LLMs, and two with the optimizer offloaded [small]")
+                             "on four LLMs, and two with the optimizer offloaded; activations: saved "
+                             "activations offloaded to the host [small]")
     parser.add_argument("--dry-run", action="store_true", help="no CUDA: measure on CPU, predict the CUDA grid")
     parser.add_argument("--device", default="1080ti", help="profile predicted in a dry run [1080ti]")
     parser.add_argument("--memory-gib", type=float, help="cap this process's CUDA memory (e.g. 11 for a 1080 Ti)")
@@ -209,9 +226,9 @@ def main() -> int:
         for earlier in json.loads(Path(args.measured).read_text())["rows"]:
             case = Case(earlier["model"], earlier["batch"], earlier["length"], earlier["precision"],
                         earlier["checkpointing"], earlier.get("train_top_layers"), earlier.get("lora_rank", 0),
-                        earlier.get("offload_optimizer", False))
+                        earlier.get("offload_optimizer", False), earlier.get("offload_activations", False))
             measured = {"allocated": earlier["measured_allocated_bytes"],
-                        "reserved": earlier["measured_reserved_bytes"]}
+                        "reserved": earlier["measured_reserved_bytes"], "host": earlier.get("measured_host_bytes")}
             rows.append(row(case, target, measured if isinstance(measured["allocated"], int) else None))
     elif args.dry_run:
         with tempfile.TemporaryDirectory() as directory:

@@ -20,12 +20,15 @@ from torch import nn
 from memfit import data as datasets
 from memfit.config import TrainConfig
 from memfit.data.batches import CausalEncoder, Encoder, ImageEncoder, TextEncoder
+from memfit.data.packing import PackedEncoder, disable_cache, packing_problems
 from memfit.devices import Device, resolve_device
 from memfit.errors import ConfigError, DataError, Problems
 from memfit.models import ModelSpec, build_model, check_compatible, is_decoder_llm, load_tokenizer, resolve_model
+from memfit.techniques.bf16_true import cast_parameters, uses_kahan
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
 from memfit.techniques.lora import apply_lora
+from memfit.techniques.offload_activations import activation_offload_problems
 from memfit.techniques.optim import build_optimizer, optimizer_problems, step_kernels
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.quantized_base import quantize_base
@@ -48,14 +51,23 @@ class Prepared:
     causal_encoders: tuple[CausalEncoder, CausalEncoder] | None = None
     """Causal-LM runs: the training and validation examples tokenised (in :func:`prepare`, where a completion
     too long for ``--max-length`` is reported before anything is written)."""
+    packed: PackedEncoder | None = None
+    """``--packing``: the training examples packed into rows, the training encoder (:mod:`memfit.data.packing`)."""
 
     @property
     def label_names(self) -> list[str]:
         return self.train_examples.label_names
 
+    @property
+    def num_train_samples(self) -> int:
+        """The samples the run's windows are cut from: the training examples, or the packed rows."""
+        return len(self.packed) if self.packed is not None else len(self.train_examples)
+
     def encoder(self, examples: datasets.Examples) -> Encoder:
         if self.causal_encoders is not None:
-            return self.causal_encoders[0] if examples is self.train_examples else self.causal_encoders[1]
+            if examples is self.train_examples:
+                return self.packed if self.packed is not None else self.causal_encoders[0]
+            return self.causal_encoders[1]
         if isinstance(examples, datasets.TextExamples):
             return TextEncoder.build(examples, self.tokenizer, self.config.max_length)
         assert isinstance(examples, datasets.ImageExamples), "causal-LM examples have their encoders"
@@ -72,12 +84,16 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
     precision_name = config.precision
     if device is not None:
         precision_name, precision_problems = resolve_precision(config.precision, device,
-                                                               force_cpu_fp16=config.force_cpu_fp16)
+                                                               force_cpu_fp16=config.force_cpu_fp16,
+                                                               force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
     problems.lines.extend(optimizer_problems(config.optimizer, device.kind if device is not None else None,
                                              offload=config.offload_optimizer))
+    problems.lines.extend(activation_offload_problems(config.offload_activations,
+                                                      device.kind if device is not None else None))
     spec = problems.collect(lambda: resolve_model(config.model, log=log))
     task = resolve_task(config, spec)
+    problems.lines.extend(packing_problems(config.packing, task))
     data_problems = Problems()
     examples = data_problems.collect(lambda: datasets.load_examples(config.data, columns=config.columns, task=task))
     tokenizer = None
@@ -98,9 +114,11 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
     encoders = None
     if isinstance(train_examples, datasets.CausalExamples) and isinstance(val_examples, datasets.CausalExamples):
         encoders = causal_encoders(config, tokenizer, train_examples, val_examples)
+    packed = PackedEncoder.build(encoders[0], config.max_length, seed=config.seed) \
+        if config.packing and encoders is not None else None
     return Prepared(config=config, device=device, precision=Precision(precision_name, device.kind), spec=spec,
                     train_examples=train_examples, val_examples=val_examples, tokenizer=tokenizer, task=task,
-                    causal_encoders=encoders)
+                    causal_encoders=encoders, packed=packed)
 
 
 def resolve_task(config: TrainConfig, spec: ModelSpec | None) -> str:
@@ -153,7 +171,8 @@ def build_model_for(prepared: Prepared) -> nn.Module:
     """The model of a prepared run, with its techniques applied."""
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
     return build_with_techniques(prepared.spec, prepared.config, label_names=prepared.label_names,
-                                 pad_token_id=pad, task=prepared.task, low_dtype=prepared.precision.low_dtype)
+                                 pad_token_id=pad, task=prepared.task, low_dtype=prepared.precision.low_dtype,
+                                 weights_dtype=prepared.precision.weights_dtype)
 
 
 def build_base_for(prepared: Prepared) -> transformers.PreTrainedModel:
@@ -175,12 +194,16 @@ def build_base(spec: ModelSpec, *, seed: int, label_names: list[str], pad_token_
 
 def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: list[str],
                           pad_token_id: int | None, task: str = "classification",
-                          low_dtype: torch.dtype | None = None) -> nn.Module:
+                          low_dtype: torch.dtype | None = None,
+                          weights_dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model and apply the techniques in order: quantise the base -> freeze -> checkpointing ->
-    LoRA (precision is a context). ``low_dtype``: the run's 16-bit dtype (``None`` under fp32), the compute
-    dtype of quantised layers and the storage of LoRA's frozen weights."""
+    LoRA -> 16-bit weights (mixed precision is a context). ``low_dtype``: the run's 16-bit dtype (``None``
+    under fp32), the compute dtype of quantised layers and the storage of LoRA's frozen weights.
+    ``weights_dtype``: every remaining fp32 parameter stored in it (``bf16-true``)."""
     model: nn.Module = build_base(spec, seed=config.seed, label_names=label_names, pad_token_id=pad_token_id,
                                   task=task)
+    if config.packing:  # transformers reads packed positions only in a forward without a KV cache
+        disable_cache(model)
     quantize_base(model, config.quantize_base, low_dtype or torch.float32)
     apply_freezing(model, freeze_embeddings=config.freeze_embeddings, train_top_layers=config.train_top_layers)
     with warnings.catch_warnings():
@@ -190,6 +213,8 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
         targets = tuple(name.strip() for name in (config.lora_targets or "").split(",") if name.strip())
         model = apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
                            targets=targets, train_top_layers=config.train_top_layers, frozen_dtype=low_dtype)
+    if weights_dtype is not None:
+        cast_parameters(model, weights_dtype)
     return model
 
 
@@ -201,6 +226,8 @@ def build_optimizer_for(model: nn.Module, config: TrainConfig, *,
                                   distributed=config.distributed != "none")
     if foreach is None and not fused:
         foreach = foreach_default
+    kahan = uses_kahan(config.kahan, precision=config.precision, optimizer=config.optimizer)
     return build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
-                           momentum=config.momentum, foreach=foreach, fused=fused,
-                           offload=config.offload_optimizer)
+                           momentum=config.momentum, foreach=foreach, fused=fused and not kahan,
+                           offload=config.offload_optimizer, kahan=kahan,
+                           in_backward=config.optimizer_in_backward)

@@ -93,8 +93,9 @@ def restore(run: Run, checkpoint: checkpoints.Checkpoint) -> None:
         run.reporter.warn(f"resuming {checkpoint.path} with a changed config (saved -> now): {'; '.join(changes)}")
     order = saved["order"].tolist()
     if len(order) != run.num_train:
-        raise CheckpointError(f"--resume {checkpoint.path}: it was trained on {len(order)} examples, this "
-                              f"run has {run.num_train}; resume with the same --data and split options")
+        raise CheckpointError(f"--resume {checkpoint.path}: it was trained on {len(order)} samples (examples, or "
+                              f"packed rows), this run has {run.num_train}; resume with the same --data, split "
+                              "and --packing options")
     if checkpoint.sharded:  # model and optimizer state, resharded onto this run's ranks
         checkpoint.load_sharded(run.model, run.optimizer)
     else:

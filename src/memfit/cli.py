@@ -84,13 +84,19 @@ def _batch_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> No
     batch.add_argument("--accumulation-steps", type=int, help="micro-steps per optimizer step (instead of "
                                                               "--micro-batch-size)")
     batch.add_argument("--eval-batch-size", type=int, help=f"[{defaults.eval_batch_size}]")
+    _bool_flag(batch, "packing", "causal LM: pack the training examples into full --max-length rows, attention "
+                                 "within each example; the batch sizes then count rows [off]")
 
 
 def _precision_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     """Mixed precision and the GradScaler."""
-    precision = parser.add_argument_group("precision (16-bit activations; fp16 adds a GradScaler)")
+    precision = parser.add_argument_group("precision (16-bit activations; fp16 adds a GradScaler; bf16-true: the "
+                                          "weights, gradients and optimizer state themselves in bf16)")
     precision.add_argument("--precision", choices=PRECISIONS, help=f"[{defaults.precision}]")
+    _bool_flag(precision, "kahan", "bf16-true: Kahan-summed updates keep what bf16 rounds away (torch-optimi) "
+                                   "[on under bf16-true with adamw/sgd]")
     _bool_flag(precision, "force-cpu-fp16", "run fp16 on CPU although it is ~20x slower")
+    _bool_flag(precision, "force-bf16", "run bf16 on a card without native bf16 (emulated, slow)")
     precision.add_argument("--init-scale", type=float, help=f"GradScaler initial scale [{defaults.init_scale:g}]")
     precision.add_argument("--growth-interval", type=int, help=f"GradScaler growth interval "
                                                                f"[{defaults.growth_interval}]")
@@ -101,6 +107,8 @@ def _memory_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> N
     memory = parser.add_argument_group("checkpointing and freezing (memory for compute, or for accuracy)")
     memory.add_argument("--checkpointing", choices=CHECKPOINTING, help=f"[{defaults.checkpointing}]")
     memory.add_argument("--checkpoint-every", type=int, help=f"N of every-n [{defaults.checkpoint_every}]")
+    _bool_flag(memory, "offload-activations", "CUDA: saved activations in host memory until backward (PCIe "
+                                              "traffic, same result) [off]")
     _bool_flag(memory, "freeze-embeddings", "freeze the embedding block")
     memory.add_argument("--train-top-layers", type=int, help="train only the top K layers plus the head")
     memory.add_argument("--loss-chunk", type=int, metavar="N", help="causal LM: the loss over chunks of N token "
@@ -131,6 +139,8 @@ def _optimizer_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -
     _bool_flag(optim, "foreach", "multi-tensor optimizer kernels (faster than a loop, higher step peak)")
     _bool_flag(optim, "offload-optimizer", "CUDA: optimizer state and update on the host; the card keeps weights "
                                            "and gradients (slower steps, same result) [off]")
+    _bool_flag(optim, "optimizer-in-backward", "update each parameter in backward and free its gradient: no full "
+                                               "set of gradients (one micro-batch per step, no clipping) [off]")
     optim.add_argument("--lr", type=float, help=f"peak learning rate [{defaults.lr:g}]")
     optim.add_argument("--weight-decay", type=float, help=f"[{defaults.weight_decay}]")
     optim.add_argument("--warmup-ratio", type=float, help=f"[{defaults.warmup_ratio}]")
@@ -241,6 +251,12 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                                                                              "needed (bitsandbytes)")
     allowed.add_argument("--allow-offload", action="store_true", help="opt-in: the optimizer's state and update on "
                                                                       "the host (one CUDA card), if needed")
+    allowed.add_argument("--allow-optimizer-in-backward", action="store_true",
+                         help="opt-in: each parameter updated in backward, its gradient freed (no clipping, one "
+                              "micro-batch per step), if needed")
+    allowed.add_argument("--allow-bf16-true", action="store_true", help="opt-in: weights, gradients and optimizer "
+                                                                        "state in bf16 with Kahan-summed updates, "
+                                                                        "if needed")
     allowed.add_argument("--allow-lora", action="store_true", help="opt-in: LoRA adapters, the base frozen in "
                                                                    "16 bits, when no full fine-tuning fits")
     allowed.add_argument("--allow-qlora", action="store_true", help="opt-in: LoRA on a 4-bit NF4 base "
@@ -317,6 +333,7 @@ def _fraction(text: str) -> float:
 
 def run_plan(args: argparse.Namespace) -> int:
     from memfit.planner import plan
+    from memfit.planner.allowed import Allowed
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
     given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer", "distributed", "task")
@@ -325,8 +342,11 @@ def run_plan(args: argparse.Namespace) -> int:
         given["max_length"] = args.seq_len
     config = from_mapping({**values, **given})
     result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
-                  margin=args.margin, allow_freeze=args.allow_freeze, allow_8bit_optimizer=args.allow_8bit_optimizer,
-                  allow_offload=args.allow_offload, allow_lora=args.allow_lora, allow_qlora=args.allow_qlora,
+                  margin=args.margin, allow=Allowed(
+                      freeze=args.allow_freeze, eight_bit_optimizer=args.allow_8bit_optimizer,
+                      offload=args.allow_offload, lora=args.allow_lora, qlora=args.allow_qlora,
+                      bf16_true=args.allow_bf16_true,
+                      optimizer_in_backward=args.allow_optimizer_in_backward),
                   lora_rank=args.lora_rank,
                   precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels,
                   gpus=args.gpus)

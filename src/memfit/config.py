@@ -23,7 +23,7 @@ from memfit.units import parse_bytes
 if TYPE_CHECKING:
     from memfit.data import Columns
 
-PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16", "bf16-true")
 CHECKPOINTING = ("none", "full", "every-n")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged-adamw8bit")
 QUANTIZE_BASE = ("none", "nf4", "int8")
@@ -73,6 +73,10 @@ class TrainConfig:
     """Alternative to ``micro_batch_size``: micro-steps per optimizer step (micro batch = effective / steps)."""
     eval_batch_size: int = 64
     """Samples per evaluation forward pass (no activations are kept for backward)."""
+    packing: bool = False
+    """Causal LM: concatenate the training examples into rows of exactly ``max_length`` tokens, attention kept
+    within each example (:mod:`memfit.data.packing`). A sample is then a packed row: ``effective_batch`` and
+    ``micro_batch_size`` count rows, samples/s is rows/s. Validation stays per example, unpacked."""
 
     # --- planning ---
     budget: str | None = None
@@ -83,10 +87,21 @@ class TrainConfig:
 
     # --- techniques ---
     precision: str = "auto"
-    """``fp32 | fp16 | bf16 | auto``. fp16 = autocast + GradScaler; bf16 = autocast, no scaler; auto = bf16 on
-    CPU and on CUDA with compute capability >= 8.0, fp16 on older CUDA cards."""
+    """``fp32 | fp16 | bf16 | bf16-true | auto``. fp16 = autocast + GradScaler; bf16 = autocast, no scaler;
+    bf16-true = the weights, gradients and optimizer state themselves in bf16, no autocast
+    (:mod:`memfit.techniques.bf16_true`); auto = bf16 on CPU and on CUDA with compute capability >= 8.0, fp16 on
+    older CUDA cards."""
     force_cpu_fp16: bool = False
     """Allow fp16 on CPU, which works but is about 20x slower than fp32 there."""
+    force_bf16: bool = False
+    """Allow bf16 (mixed or true) on a card without native bf16 (compute capability < 8.0), emulated there."""
+    kahan: bool | None = None
+    """Kahan-summed updates of bf16 weights (torch-optimi): small updates are kept instead of rounded away.
+    ``None``: on under ``bf16-true`` with AdamW or SGD."""
+    optimizer_in_backward: bool = False
+    """Update each parameter inside backward as soon as its gradient is complete, and free the gradient: no full
+    set of gradients ever exists. One micro-batch per window, no clipping
+    (:mod:`memfit.techniques.optimizer_in_backward`)."""
     init_scale: float = 65536.0
     """GradScaler's initial loss scale (fp16 only)."""
     growth_interval: int = 2000
@@ -95,6 +110,9 @@ class TrainConfig:
     """``none | full | every-n``: recompute layer activations in backward instead of storing them."""
     checkpoint_every: int = 2
     """With ``checkpointing = "every-n"``: checkpoint one layer in every N."""
+    offload_activations: bool = False
+    """CUDA: what autograd saves in forward goes to host memory until backward needs it (parameters and small
+    tensors stay); with checkpointing, the blocks' inputs (:mod:`memfit.techniques.offload_activations`)."""
     freeze_embeddings: bool = False
     """Freeze the embedding block: no gradients or optimizer state for it."""
     train_top_layers: int | None = None
@@ -201,6 +219,7 @@ class TrainConfig:
         _check_choice(problems, "task", self.task, TASKS)
         _check_distributed(problems, self)
         _check_step_kernels(problems, self)
+        _check_low_memory_full(problems, self)
         _check_adapters(problems, self)
         if self.device not in DEVICES:
             problems.lines.extend(_gpu_profile_problems(self.device))
@@ -285,6 +304,39 @@ def _check_step_kernels(problems: Problems, config: TrainConfig) -> None:
                      "bitsandbytes' 8-bit states on the card: use one or the other")
     if config.offload_optimizer and (config.distributed != "none" or config.world_size > 1):
         problems.add("--offload-optimizer is for one process; with several GPUs use --distributed fsdp --cpu-offload")
+
+
+def _check_low_memory_full(problems: Problems, config: TrainConfig) -> None:
+    """16-bit weights, Kahan summation and the optimizer step in backward against what they cannot do."""
+    from memfit.techniques.bf16_true import kahan_problems
+
+    problems.lines.extend(kahan_problems(config.kahan, precision=config.precision, optimizer=config.optimizer))
+    several = config.distributed != "none" or config.world_size > 1
+    if config.precision == "bf16-true" and several:
+        problems.add("--precision bf16-true trains in one process here; drop --distributed or use --precision bf16")
+    if config.precision == "bf16-true" and config.offload_optimizer:
+        problems.add("--precision bf16-true with --offload-optimizer is not supported; use one or the other")
+    if config.kahan and config.fused:
+        problems.add("--fused is torch's AdamW kernel and --kahan runs torch-optimi's; drop one of them")
+    if not config.optimizer_in_backward:
+        return
+    flag = "--optimizer-in-backward"
+    if config.max_grad_norm is not None:
+        problems.add(f"{flag} updates each parameter before the global gradient norm is known, so it cannot clip "
+                     "by it; add --max-grad-norm none")
+    split_known = config.effective_batch >= 1 and config.world_size >= 1 and \
+        (config.micro_batch_size or 1) >= 1 and (config.accumulation_steps or 1) >= 1
+    if split_known and config.resolved_accumulation_steps > 1 and config.budget is None and config.plan is None:
+        problems.add(f"{flag} updates each parameter during the first micro-batch's backward, so gradients cannot "
+                     f"accumulate over {config.resolved_accumulation_steps} micro-batches; use --micro-batch-size "
+                     f"{config.per_rank_batch} (the effective batch) or a smaller --effective-batch")
+    if config.precision == "fp16":
+        problems.add(f"{flag}: fp16's loss scaler checks and unscales all gradients together; use --precision "
+                     "bf16-true, bf16 or fp32")
+    if several:
+        problems.add(f"{flag} runs in one process; drop --distributed")
+    if config.offload_optimizer:
+        problems.add(f"{flag} with --offload-optimizer is not supported; use one or the other")
 
 
 def _check_adapters(problems: Problems, config: TrainConfig) -> None:

@@ -143,7 +143,8 @@ class DeviceProfile:
 
     def flops_for(self, precision: str) -> float:
         """Dense matmul throughput under ``precision`` (fp32, fp16 or bf16 autocast)."""
-        return {"fp32": self.fp32_flops, "fp16": self.fp16_flops, "bf16": self.bf16_flops}[precision]
+        return {"fp32": self.fp32_flops, "fp16": self.fp16_flops, "bf16": self.bf16_flops,
+                "bf16-true": self.bf16_flops}[precision]
 
     def precisions(self) -> tuple[str, ...]:
         """The precisions worth planning with: fp32 and the device's low precision (bf16 where native; else

@@ -34,7 +34,9 @@ from memfit.planner import Plan, plan_for_run
 from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.run import Run
 from memfit.step import optimizer_step
+from memfit.techniques.bf16_true import uses_kahan
 from memfit.techniques.lora import save_merged
+from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.oom import OomRecovery
 from memfit.techniques.optim import build_scheduler, step_kernels
 from memfit.techniques.stability import StepCheck
@@ -114,8 +116,8 @@ def run_window(run: Run, window: list[int]) -> tuple[torch.Tensor, int]:
             run.state.position.step + 1, lambda size: run.windows.run(window, size, run.partial), reset=restart,
             rng=run.partial.rng_window_start if run.partial is not None else None)
     except TrainingError as error:  # micro-batch 1 does not fit: keep what was learned
-        if run.world.distributed:  # the other ranks wait in a collective: no joint save
-            raise
+        if run.world.distributed or run.config.optimizer_in_backward:  # the other ranks wait in a collective,
+            raise  # or the step is half applied: no save
         path = checkpointer.save(run, rng=run.recovery.window_rng)
         raise TrainingError(f"{error.problems[0]}; checkpoint saved to {path}, continue with --resume after "
                             "changing the setup") from None
@@ -168,7 +170,7 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
     device or distributed wrap -> optimizer; then the checkpoint's state, if the run resumes."""
     config = prepared.config
     total_steps = min(config.max_steps or sys.maxsize,
-                      config.epochs * math.ceil(len(prepared.train_examples) / config.effective_batch))
+                      config.epochs * math.ceil(prepared.num_train_samples / config.effective_batch))
     model: nn.Module = build_model_for(prepared)  # freeze -> checkpointing (-> sharding, below)
     trainable, total = count_parameters(model)
     architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later
@@ -184,10 +186,12 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
                            effective_batch=config.per_rank_batch, device=device,
                            memory_now=lambda: monitor.snapshot().current_bytes,
                            memory_needed=lambda: memory_needed_phrase(config, prepared),
-                           cannot_recover=distributed.CANNOT_RECOVER if world.distributed else None)
+                           cannot_recover=distributed.CANNOT_RECOVER if world.distributed
+                           else CANNOT_REPLAY if config.optimizer_in_backward else None)
     stop = checkpoints.StopSignals()  # SIGTERM/SIGINT: finish the micro-step, save, exit
     runner = {"precision": prepared.precision, "scaler": scaler, "device": device, "phases": monitor,
-              "stop_requested": stop.requested, "loss_chunk": config.loss_chunk}
+              "stop_requested": stop.requested, "loss_chunk": config.loss_chunk,
+              "offload": ActivationOffload() if config.offload_activations else None}
     run = Run(prepared=prepared, plan=plan, world=world, output_dir=output_dir, device=device, model=model,
               architecture=architecture, trained=[(n, p) for n, p in inner.named_parameters() if p.requires_grad],
               optimizer=optimizer, scheduler=build_scheduler(optimizer, total_steps=total_steps,
@@ -208,6 +212,9 @@ def start_run(run: Run) -> None:
     """Show the config, and put a resumed run back where its checkpoint left it."""
     run.reporter.show_config(config_rows(run.prepared, run.output_dir, run.trainable_parameters,
                                          run.total_parameters))
+    if run.config.optimizer_in_backward:
+        run.reporter.warn("--optimizer-in-backward: out-of-memory recovery is off (a step updated in part cannot be "
+                          "replayed); an OOM stops the run, to resume from its last checkpoint")
     if not run.prepared.spec.is_pretrained:
         run.reporter.warn(f"{run.config.model} has no pretrained weights here: RANDOM INIT. Memory and speed are "
                           "real; accuracy is not that of a pretrained model.")
@@ -243,13 +250,17 @@ def finish(run: Run, started: float) -> Summary:
         train_samples=run.num_train, val_samples=len(run.prepared.val_examples),
         train_seconds=counters.train_seconds, total_seconds=time.perf_counter() - started,
         peak_rss_bytes=memory.peak_rss_bytes, peak_reserved_bytes=memory.peak_reserved_bytes,
+        offloaded_activations_peak_bytes=run.windows.offload.peak_bytes if run.windows.offload else None,
         skipped_steps=state.skipped,
         oom_recoveries=run.recovery.events, plan=run.plan.summary() if run.plan is not None else None,
         resumed_from=str(run.checkpoint.path) if run.checkpoint is not None else None,
         evaluations=state.evaluations, output_dir=str(run.output_dir), world_size=run.world.world_size,
         distributed=run.world.strategy, per_rank_peak_memory_bytes=[rank["peak"] for rank in ranks],
         per_rank_training_peak_bytes=[max(rank["phases"].get(name, 0) for name in PHASES) for rank in ranks],
-        allreduce_seconds=run.world.allreduce_seconds if run.world.strategy == "ddp" else None)
+        allreduce_seconds=run.world.allreduce_seconds if run.world.strategy == "ddp" else None,
+        packed_rows=run.num_train if run.prepared.packed is not None else None,
+        train_examples=len(run.prepared.train_examples),
+        examples_per_second=state.samples_per_second * len(run.prepared.train_examples) / max(run.num_train, 1))
     if run.world.is_main:
         write_json(run.output_dir / "summary.json", summary.to_dict())
         run.reporter.summary(summary)
@@ -324,8 +335,10 @@ def record_skip(run: Run, check: StepCheck) -> None:
     if handled_by_scaler:  # scaler overflows are expected and self-correcting
         return
     state.counters.consecutive_nonfinite += 1
+    skipped = "those parameters not updated, the others were (optimizer in backward)" \
+        if run.config.optimizer_in_backward else "update skipped"
     run.reporter.warn(f"step {step}: non-finite {'loss' if not check.loss_finite else 'gradients'}"
-                      f"{' in ' + ', '.join(skip['parameters']) if skip['parameters'] else ''}; update skipped")
+                      f"{' in ' + ', '.join(skip['parameters']) if skip['parameters'] else ''}; {skipped}")
     if state.counters.consecutive_nonfinite >= run.config.max_nonfinite_steps:
         raise TrainingError(f"stopped at step {step}: {state.counters.consecutive_nonfinite} consecutive optimizer "
                             "steps had a non-finite loss or gradients; lower --lr, use --precision fp32, or set "
@@ -348,8 +361,14 @@ def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
     return f"; a micro-batch of 1 needs {format_bytes(needed)} (memfit estimate)"
 
 
+CANNOT_REPLAY = ("--optimizer-in-backward may have updated part of the model in this step, which cannot be "
+                 "replayed; resume from the last checkpoint (--save-every) with a setup that fits (memfit plan)")
+
+
 def kernels_label(config: TrainConfig) -> str:
     """How the optimizer step runs: ``fused``, ``foreach``, ``loop``, or torch's default."""
+    if uses_kahan(config.kahan, precision=config.precision, optimizer=config.optimizer):
+        return "foreach" if config.foreach else "loop"
     foreach, fused = step_kernels(config.optimizer, foreach=config.foreach, fused=config.fused,
                                   distributed=config.distributed != "none")
     return "fused" if fused else {True: "foreach", False: "loop", None: "torch default"}[foreach]
@@ -375,25 +394,30 @@ def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int
     freezing = ", ".join(filter(None, ["embeddings" if config.freeze_embeddings else "",
                                        f"all but top {config.train_top_layers} layers"
                                        if config.train_top_layers else ""])) or "none"
+    kahan = uses_kahan(config.kahan, precision=prepared.precision.name, optimizer=config.optimizer)
     return [
         ("model", f"{config.model} ({type(prepared.spec.hf_config).__name__}, {prepared.spec.num_layers} layers, "
                   f"{'pretrained' if prepared.spec.is_pretrained else 'random init'})"),
         ("data", f"{config.data}: {len(prepared.train_examples)} train / {len(prepared.val_examples)} val, "
                  f"{len(prepared.label_names)} labels ({', '.join(prepared.label_names[:4])}"
-                 f"{', ...' if len(prepared.label_names) > 4 else ''})"),
+                 f"{', ...' if len(prepared.label_names) > 4 else ''})"
+                 f"{'' if prepared.packed is None else f'; packed into {len(prepared.packed)} rows of '}"
+                 f"{'' if prepared.packed is None else f'{config.max_length} tokens (a sample is a row)'}"),
         ("device", prepared.device.describe()),
         ("batch", f"effective {config.effective_batch} = micro {config.resolved_micro_batch_size} x "
                   f"{config.resolved_accumulation_steps} accumulation steps"),
         ("precision", f"{prepared.precision.name}"
                       f"{' (auto)' if config.precision == 'auto' else ''}"
-                      f"{' + GradScaler' if prepared.precision.uses_scaler else ''}"),
+                      f"{' + GradScaler' if prepared.precision.uses_scaler else ''}"
+                      f"{' + Kahan-summed updates' if kahan else ''}"),
         ("checkpointing", checkpointing),
         ("freezing", freezing),
         ("adapters", adapters_label(config, prepared.precision.name)),
         ("parameters", f"{trainable:,} trainable of {total:,} "
                        f"({format_bytes(4 * total)} in fp32)"),
         ("optimizer", f"{config.optimizer} lr {config.lr:g}, weight decay {config.weight_decay:g}, "
-                      f"step {kernels_label(config)}, "
+                      f"step {kernels_label(config)}"
+                      f"{' per parameter inside backward' if config.optimizer_in_backward else ''}, "
                       f"clip {config.max_grad_norm if config.max_grad_norm is not None else 'off'}"),
         ("schedule", f"{config.epochs} epoch(s), max steps {config.max_steps or '-'}, seed {config.seed}, "
                      f"max length {config.max_length}"),

@@ -45,7 +45,7 @@ class Summary:
     """CPU: peak live tensor bytes (storage tracker); CUDA: peak allocated bytes."""
     peak_memory_by_phase: dict[str, int]
     samples_per_second: float
-    """Training samples per second of training time (evaluation excluded)."""
+    """Training samples (packed rows with ``--packing``) per second of training time (evaluation excluded)."""
     optimizer_steps: int
     """Optimizer steps that updated the weights (skipped non-finite steps excluded)."""
     effective_batch_size: int
@@ -65,6 +65,9 @@ class Summary:
     total_seconds: float = 0.0
     peak_rss_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    offloaded_activations_peak_bytes: int | None = None
+    """``--offload-activations``: the most host memory the offloaded activations held at once (pinned; one
+    micro-batch's), apart from the card's peak; ``None`` without offloading."""
     skipped_steps: list[dict[str, Any]] = field(default_factory=list)
     oom_recoveries: list[dict[str, Any]] = field(default_factory=list)
     """One event per out-of-memory error survived: step, action (retry/split), old and new micro-batch."""
@@ -90,6 +93,14 @@ class Summary:
     """Each rank's peak over forward, backward and optimizer: what ``memfit estimate --world-size`` predicts."""
     allreduce_seconds: float | None = None
     """DDP: summed time gradient buckets spent in flight (overlapping backward); ``None`` otherwise."""
+    packed_rows: int | None = None
+    """``--packing``: the rows the training examples were packed into (the run's samples: ``train_samples``);
+    ``None`` unpacked."""
+    train_examples: int = 0
+    """Training examples (the same as ``train_samples`` unless packed)."""
+    examples_per_second: float = 0.0
+    """Training examples per second: ``samples_per_second`` times the examples per sample (a packed row holds
+    several). What compares a packed run's speed with a padded one's."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,6 +189,7 @@ class Reporter:
             ("peak memory", f"{format_bytes(summary.peak_memory_bytes)} ({_peak_kind(summary)})"),
             ("peak by phase", phases),
             ("throughput", f"{summary.samples_per_second:.1f} samples/s, "
+                           f"{'' if summary.packed_rows is None else f'{summary.examples_per_second:.1f} examples/s, '}"
                            f"{summary.optimizer_steps_per_second:.2f} optimizer steps/s"),
             ("batch", f"{summary.effective_batch_size} = {summary.micro_batch_size} x "
                       f"{summary.accumulation_steps} accumulation"),
@@ -195,6 +207,9 @@ class Reporter:
         ]
         if summary.peak_rss_bytes is not None:
             rows.insert(3, ("peak process RSS", format_bytes(summary.peak_rss_bytes)))
+        if summary.offloaded_activations_peak_bytes is not None:
+            rows.insert(3, ("host memory (offloaded activations)",
+                            format_bytes(summary.offloaded_activations_peak_bytes)))
         for name, value in rows:
             table.add_row(name, value)
         self.console.print(table)

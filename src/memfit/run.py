@@ -62,7 +62,8 @@ class Run:
 
     @property
     def num_train(self) -> int:
-        return len(self.prepared.train_examples)
+        """The samples the windows are cut from: training examples, or packed rows (``--packing``)."""
+        return self.prepared.num_train_samples
 
     @property
     def running(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,9 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
                       scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
                       loss_so_far: torch.Tensor | None = None, should_stop: Callable[[], bool] | None = None,
                       sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None,
-                      loss_chunk: int | None = None) -> tuple[torch.Tensor, int]:
+                      loss_chunk: int | None = None,
+                      saved_tensors: contextlib.AbstractContextManager[Any] | None = None,
+                      ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one window's micro-batches, accumulating gradients in ``.grad``.
 
     ``window_items`` is the window's labelled-item count (:func:`item_count`, summed on the host). Returns the
@@ -72,7 +74,9 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
     ``sync(last)`` wraps each micro-step of a distributed run: gradients are reduced over the ranks only in
     the window's last backward. There ``window_items`` is the window's items over the ranks divided by their
     number (DDP and FSDP average the ranks' gradients). ``loss_chunk``: a causal LM's loss over chunks of
-    token positions (:mod:`memfit.techniques.chunked_loss`).
+    token positions (:mod:`memfit.techniques.chunked_loss`). ``saved_tensors``: entered around each forward
+    (and loss), where autograd saves what backward needs: activation offload
+    (:class:`memfit.techniques.offload_activations.ActivationOffload`).
     """
     window_loss = torch.zeros((), device=device) if loss_so_far is None else loss_so_far.to(device)
     done = 0
@@ -80,7 +84,7 @@ def accumulate_window(model: nn.Module, micro_batches: list[Batch], window_items
         batch = to_device(host_batch, device)
         phases.track(*batch.values(), category="inputs")
         with sync(index == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
-            with phases.phase("forward"), precision.autocast():
+            with phases.phase("forward"), precision.autocast(), saved_tensors or contextlib.nullcontext():
                 loss, _ = loss_sum(model, batch) if loss_chunk is None else chunked_loss_sum(model, batch,
                                                                                               chunk=loss_chunk)
                 loss = loss / window_items  # normalised over the whole window, not per micro-batch

@@ -134,7 +134,9 @@ def print_estimate(console: Console, result: Any) -> None:
              else f"image {result.image_size}px")
     console.print(f"[bold]memfit estimate[/]: {result.config['model']} on {result.device}, micro-batch "
                   f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}, "
-                  f"checkpointing {result.config['checkpointing']}, {result.config['optimizer']}"
+                  f"checkpointing {result.config['checkpointing']}"
+                  + (", activations offloaded" if result.config.get("offload_activations") else "")
+                  + f", {result.config['optimizer']}"
                   + (" on the host" if result.config.get("offload_optimizer") else "")
                   + (f"; one rank of {result.world_size} ({result.distributed})" if result.distributed != "none"
                      else ""))
@@ -148,8 +150,9 @@ def print_estimate(console: Console, result: Any) -> None:
     table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
     table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))
     table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))
-    if result.host_bytes:
-        table.add_row("host memory (offloaded optimizer)", format_bytes(result.host_bytes))
+    for name, value in (result.host_breakdown or {"offloaded_optimizer": result.host_bytes}).items():
+        if value:  # at the host's peak, beside the card's
+            table.add_row(f"host memory ({name.replace('_', ' ')})", format_bytes(value))
     console.print(table)
     phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in result.phases.items())
     console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})", soft_wrap=True)

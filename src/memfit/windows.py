@@ -23,6 +23,7 @@ from torch import nn
 from memfit import distributed
 from memfit.data.batches import Batch, Encoder, cut
 from memfit.step import IGNORE_INDEX, PhaseTracker, accumulate_window, item_count, loss_sum, to_device
+from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.precision import Precision
 
 
@@ -52,10 +53,13 @@ class LocalWindows:
 
     def __init__(self, model: nn.Module, encoder: Encoder, *, precision: Precision,
                  scaler: torch.amp.GradScaler | None, device: torch.device, phases: PhaseTracker,
-                 stop_requested: Callable[[], bool], loss_chunk: int | None = None) -> None:
+                 stop_requested: Callable[[], bool], loss_chunk: int | None = None,
+                 offload: ActivationOffload | None = None) -> None:
         self.model, self.encoder, self.precision, self.scaler = model, encoder, precision, scaler
         self.device, self.phases, self.stop_requested = device, phases, stop_requested
         self.loss_chunk = loss_chunk
+        self.offload = offload
+        """Activation offload around each forward (``--offload-activations``); its peak host bytes are reported."""
 
     def run(self, window: list[int], size: int, partial: PartialWindow | None) -> WindowResult:
         """Forward + backward of each micro-batch of ``size``; gradients accumulate in ``.grad``."""
@@ -65,7 +69,8 @@ class LocalWindows:
         loss, done = accumulate_window(self.model, micro_batches[start:], window_items, precision=self.precision,
                                        scaler=self.scaler, device=self.device, phases=self.phases,
                                        loss_so_far=partial.loss if partial is not None else None,
-                                       should_stop=self.stop_requested, loss_chunk=self.loss_chunk)
+                                       should_stop=self.stop_requested, loss_chunk=self.loss_chunk,
+                                       saved_tensors=self.offload)
         return WindowResult(loss, window_items, start + done, len(micro_batches))
 
     def stop_agreed(self, requested: bool) -> bool:
@@ -104,7 +109,7 @@ class RankWindows(LocalWindows):
                                        precision=self.precision, scaler=self.scaler, device=self.device,
                                        phases=self.phases, sync=functools.partial(distributed.gradient_sync,
                                                                                   self.model),
-                                       loss_chunk=self.loss_chunk)
+                                       loss_chunk=self.loss_chunk, saved_tensors=self.offload)
         return WindowResult(distributed.mean_over_ranks(loss), items, done, len(micro_batches))
 
     def stop_agreed(self, requested: bool) -> bool:

@@ -123,6 +123,7 @@ CASES: dict[str, tuple[Setup, str]] = {
         "architectures": ["ViTModel"], "model_type": "vit", "image_size": 8, "patch_size": 4, "num_channels": 1,
         "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64})),
         "pair text data with a text model"),
+    "packing-classification": (lambda w: base(w, "--packing"), "--packing packs causal-LM examples"),
     # --- models ---
     "model-unknown": (lambda w: base(w, model=w / "no-such-model"), "is not a preset or a local directory"),
     "model-hub-id": (lambda w: ["train", "--model", "google/bert_uncased_L-2_H-128_A-2", "--output-dir",

@@ -29,7 +29,8 @@ from tests.helpers import assert_weights_close, read_metrics
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
 TIMING = ("samples_per_second", "step_seconds", "memory_bytes", "peak_memory_bytes", "rss_bytes")
 VARIANTS = {  # name: (extra options, interruption, expected exit code of the interrupted process)
-    # every variant accumulates two micro-batches per window; SIGKILL after a checkpoint, bf16, frozen layers
+    # every variant but the step in backward accumulates two micro-batches per window; SIGKILL after a
+    # checkpoint, bf16, frozen layers
     "bf16-frozen": (["--precision", "bf16", "--freeze-embeddings", "--train-top-layers", "1"], "kill:7",
                     -signal.SIGKILL),
     "during-save": ([], "save:2", -signal.SIGKILL),
@@ -37,6 +38,11 @@ VARIANTS = {  # name: (extra options, interruption, expected exit code of the in
     "sigterm-mid-window": (["--dropout-model"], "term:5", 128 + signal.SIGTERM),
     "sigint-at-window-end": ([], "int:6", 128 + signal.SIGINT),
     "causal-lm": (["--causal-model", "--precision", "bf16"], "kill:7", -signal.SIGKILL),
+    # packed rows are the samples: the epochs' orders of rows resume, a window stopped part-way continues
+    "causal-lm-packed-sigterm-mid-window": (["--causal-model", "--packing"], "term:5", 128 + signal.SIGTERM),
+    # 16-bit weights with Kahan buffers, each parameter updated in backward (one micro-batch per window)
+    "bf16-true-in-backward": (["--causal-model", "--precision", "bf16-true", "--optimizer-in-backward",
+                               "--max-grad-norm", "none", "--micro-batch-size", "8"], "kill:7", -signal.SIGKILL),
     # LoRA adapters (with dropout: its RNG too) on an NF4 base; checkpoints of the trained parameters only, the
     # frozen base rebuilt bit for bit on resume
     "qlora-sigterm-mid-window": (["--causal-model", "--precision", "bf16", "--lora-rank", "4", "--lora-dropout",

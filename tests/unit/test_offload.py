@@ -14,6 +14,7 @@ from memfit.config import TrainConfig
 from memfit.errors import ConfigError
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner import Plan, plan
+from memfit.planner.allowed import Allowed
 from memfit.step import optimizer_step
 from memfit.techniques.offload import OffloadedOptimizer
 from memfit.techniques.optim import build_optimizer, build_scheduler
@@ -107,7 +108,7 @@ def test_the_planner_offloads_before_changing_what_is_learned(tmp_path: Path) ->
         return estimate(setup, device=PASCAL, seq_len=16).total_bytes
 
     between = (need(True) + need(False)) // 2
-    offloaded = planned(between, allow_offload=True, allow_8bit_optimizer=True, allow_freeze=True)
+    offloaded = planned(between, allow=Allowed(offload=True, eight_bit_optimizer=True, freeze=True))
     chosen = offloaded.chosen
     assert chosen is not None and chosen.family.offload_optimizer and chosen.family.optimizer == "adamw"
     assert chosen.to_dict()["offload_optimizer"] is True and "on the host" in chosen.describe()

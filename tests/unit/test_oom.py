@@ -186,14 +186,17 @@ def test_an_eval_oom_halves_only_the_eval_batch(wide_bert: Path, reviews_csv: Pa
     assert summary.val_loss == pytest.approx(clean.val_loss, rel=1e-6)
 
 
-def test_a_causal_lm_split_keeps_the_window_and_its_token_normalisation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_causal_lm_split_keeps_the_window_and_its_token_normalisation(tmp_path: Path, packing: bool) -> None:
     """A causal LM's loss is normalised by the window's completion tokens: split into micro-batches after an
-    OOM, the window is the same samples and the same tokens, so the run learns what the unsplit one does."""
+    OOM, the window is the same samples and the same tokens, so the run learns what the unsplit one does.
+    Packed (``--packing``), the window's samples are packed rows, split the same way."""
     model, data = write_tiny_llm(tmp_path / "llm", chat=True), write_pairs(tmp_path / "chat.jsonl", count=64, chat=True)
 
     def causal(out: str, **overrides: Any) -> Summary:
         config = TrainConfig(model=str(model), data=str(data), max_length=32, effective_batch=16, epochs=1,
-                             precision="fp32", lr=1e-3, output_dir=str(tmp_path / out), device="cpu", **overrides)
+                             precision="fp32", lr=1e-3, output_dir=str(tmp_path / out), device="cpu",
+                             packing=packing, **overrides)
         return train(config, console=QUIET)
 
     full = causal("full", micro_batch_size=16)

@@ -15,6 +15,7 @@ from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner import Plan, load_plan, micro_batch_sizes, plan
+from memfit.planner.allowed import Allowed
 from tests.conftest import write_model_dir
 
 # Activations dominate this model's memory (small vocabulary, seq 64), so the budget decides the split.
@@ -145,7 +146,7 @@ def test_nothing_fits_names_the_smallest_need_and_the_opt_in(model_dir: Path, tr
     assert smallest > result.usable_bytes
     with pytest.raises(ConfigError, match="nothing fits"):
         result.to_config()
-    frozen = cpu_plan(model_dir, traces, 600_000, allow_freeze=True).chosen
+    frozen = cpu_plan(model_dir, traces, 600_000, allow=Allowed(freeze=True)).chosen
     assert frozen is not None and frozen.fits and not frozen.family.accuracy_neutral
     assert "--allow-freeze (embeddings) would fit" in result.verdict
     assert frozen.family.freeze == "embeddings"  # the least freezing that fits
@@ -258,14 +259,14 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
     assert "--allow-lora (r=4) would not fit either" in probe.verdict
 
     between = (needs["lora"] + needs["full"]) // 2
-    lora = planned(between, allow_lora=True, allow_qlora=True)
+    lora = planned(between, allow=Allowed(lora=True, qlora=True))
     assert lora.chosen is not None and lora.chosen.family.technique == "lora" and lora.chosen.fits
     assert lora.to_config().lora_rank == 4
     refused = planned(between)
     assert refused.chosen is None and "--allow-lora (r=4) would fit" in refused.verdict
 
     tight = (needs["qlora"] + needs["lora"]) // 2
-    qlora_plan = planned(tight, allow_lora=True, allow_qlora=True)
+    qlora_plan = planned(tight, allow=Allowed(lora=True, qlora=True))
     assert qlora_plan.chosen is not None and qlora_plan.chosen.family.technique == "qlora"
     assert qlora_plan.to_config().quantize_base == "nf4"
     assert "full fine-tuning needs at least" in qlora_plan.verdict
@@ -274,7 +275,8 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
 
 
 def test_bitsandbytes_techniques_are_offered_only_where_its_kernels_run() -> None:
-    from memfit.planner.choose import adapter_problem, bitsandbytes_problem
+    from memfit.planner.choose import adapter_problem
+    from memfit.planner.opt_ins import bitsandbytes_problem
 
     maxwell = dataclasses.replace(PASCAL, compute_capability=(5, 2), description="test Maxwell card")
     assert adapter_problem("qlora", PASCAL) is None and bitsandbytes_problem(PASCAL) is None  # a 1080 Ti: 6.1

@@ -217,7 +217,13 @@ def shifted(rows: list[list[int]], prompt_lengths: list[int], pad_token_id: int)
     batch = pad(rows, pad_token_id)
     labels = torch.full(batch["input_ids"].shape, -100, dtype=torch.long)  # (B, S)
     for position, (row, prompt_length) in enumerate(zip(rows, prompt_lengths, strict=True)):
-        start = max(prompt_length - 1, 0)
-        labels[position, start: len(row) - 1] = torch.tensor(row[start + 1:], dtype=torch.long)
+        labels[position, : len(row)] = torch.tensor(completion_labels(row, prompt_length), dtype=torch.long)
     batch["labels"] = labels
     return batch
+
+
+def completion_labels(sequence: list[int], prompt_length: int) -> list[int]:
+    """One example's shifted labels: at position t, token t+1 where it is a completion token, else -100 (the
+    last position predicts nothing: the example ends there)."""
+    start = max(prompt_length - 1, 0)
+    return [-100] * start + sequence[start + 1:] + [-100]

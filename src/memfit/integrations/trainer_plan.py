@@ -18,6 +18,7 @@ from typing import Any
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_device, resolve_profile
 from memfit.planner import Plan, plan
+from memfit.planner.allowed import Allowed
 from memfit.planner.report import checkpointing_argument
 from memfit.report import format_bytes
 
@@ -91,7 +92,7 @@ def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: in
         (Path(directory) / "config.json").write_text(json.dumps(config))
         made = plan(TrainConfig(model=directory, task=task, max_length=seq_len, effective_batch=effective_batch,
                                 **model_technique(model)),
-                    device=profile, budget=budget, seq_len=seq_len, allow_lora=allow_lora, allow_qlora=allow_qlora,
+                    device=profile, budget=budget, seq_len=seq_len, allow=Allowed(lora=allow_lora, qlora=allow_qlora),
                     num_labels=num_labels, suggest=False, precisions=precisions)
     with warnings.catch_warnings():  # its notes on wrapping the model are what the configs below do
         warnings.simplefilter("ignore")

@@ -43,6 +43,7 @@ from memfit import distributed
 from memfit.build import build_optimizer_for, build_with_techniques, depth_problems, resolve_task
 from memfit.config import TrainConfig
 from memfit.data.batches import Batch
+from memfit.data.packing import packing_problems, synthetic_rows
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
@@ -52,13 +53,18 @@ from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, count_parameters, resolve_model, with_depth
 from memfit.quiet import quiet_imports
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
+from memfit.techniques.bf16_true import KAHAN_STATE
 from memfit.techniques.offload import OffloadedOptimizer
+from memfit.techniques.offload_activations import ActivationOffload, activation_offload_problems
 from memfit.techniques.optim import build_scheduler, optimizer_problems
+from memfit.techniques.optimizer_in_backward import InBackwardOptimizer, assume_finite_gradient
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, read_values
 
-CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients", "optimizer_state", "activations",
-              "logits_and_loss", "temporaries", "inputs", "workspaces")
+CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients", "optimizer_state",
+              "kahan_compensation", "activations", "logits_and_loss", "temporaries", "inputs", "workspaces")
+HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations")
+"""What holds host memory in a step (:attr:`Estimate.host_breakdown`)."""
 SCALER_TENSORS = 4
 
 
@@ -119,7 +125,10 @@ class Estimate(StepPeak):
     seconds: float
     host_bytes: int = 0
     """Host memory the step keeps besides the device's: an offloaded optimizer's copies of the trained weights
-    and gradients (pinned) and its state (``--offload-optimizer``); 0 otherwise."""
+    and gradients (pinned) and its state (``--offload-optimizer``), a micro-batch's offloaded activations
+    (``--offload-activations``); 0 otherwise."""
+    host_breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
+    """``host_bytes`` by what holds them (:data:`HOST_CATEGORIES`) at the host's peak."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -154,9 +163,11 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     precision_name = config.precision
     if profile is not None:
         precision_name, precision_problems = resolve_precision(config.precision, profile.as_device(),
-                                                               force_cpu_fp16=config.force_cpu_fp16)
+                                                               force_cpu_fp16=config.force_cpu_fp16,
+                                                               force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
         problems.lines.extend(optimizer_problems(config.optimizer, profile.kind, offload=config.offload_optimizer))
+        problems.lines.extend(activation_offload_problems(config.offload_activations, profile.kind))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(shape_problems(spec, seq_len or config.max_length, image_size))
@@ -167,11 +178,13 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     size = (image_size or int(spec.hf_config.image_size)) if vision else None
     spec = _config_only(spec if layers is None else with_depth(spec, layers), size)
     task = resolve_task(config, spec)
+    problems.lines.extend(packing_problems(config.packing, task))
+    problems.raise_if_any(ConfigError)
     # Host batches and their item counts, made before any fake mode: counting reads label values.
     micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window
     counts = [min(micro, per_rank - start) for start in range(0, per_rank, micro)]
-    windows = [[synthetic_batch(spec, count, length, padded=padded, causal=task == "causal-lm") for count in counts]
-               for _ in range(steps)]
+    windows = [[synthetic_batch(spec, count, length, padded=padded, causal=task == "causal-lm",
+                                packed=config.packing) for count in counts] for _ in range(steps)]
     if lean_warmup and steps > 1:  # step 1 only creates the optimizer state: one micro-batch does that
         windows[0] = windows[0][:1]
     return TraceInputs(profile=profile, spec=spec, precision=precision_name,
@@ -226,7 +239,8 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         dequantized_bytes=tracker.dequantized_bytes if count_flops else None,
         trainable_parameters=run.trainable, parameters=run.parameters, world_size=config.world_size,
         distributed=strategy, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
-        seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes)
+        seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes,
+        host_breakdown={name: tracker.host_peak_breakdown.get(name, 0) for name in HOST_CATEGORIES})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,11 +274,12 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
             contextlib.nullcontext() if execute else _no_init_weights()):
         labels = [str(i) for i in range(num_labels)]
         model: torch.nn.Module = build_with_techniques(trace.spec, config, label_names=labels, pad_token_id=0,
-                                                       task=trace.task, low_dtype=precision.low_dtype)
+                                                       task=trace.task, low_dtype=precision.low_dtype,
+                                                       weights_dtype=precision.weights_dtype)
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
-        with tracker, emulation or contextlib.nullcontext(), known_masks():
+        with tracker, emulation or contextlib.nullcontext(), known_masks(packed=config.packing):
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
@@ -283,7 +298,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
               tracker: StorageTracker | None = None, scaler: torch.amp.GradScaler | None = None,
               read: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]] = read_values,
               cuda: bool = False, after_step: Callable[[int], None] | None = None, world_size: int = 1,
-              persistent_grads: bool = False) -> None:
+              persistent_grads: bool = False, offload: ActivationOffload | None = None) -> None:
     """The engine's window and optimizer step, once per window, on ``device``.
 
     The estimator runs it on fake tensors (``read=assume_finite``) with ``tracker`` attributing storages to
@@ -295,6 +310,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     ``world_size > 1``: ``model`` is sharded (FSDP2 over a fake process group) and the window is one rank's;
     gradients are reduced in the window's last backward only, as in the engine. ``persistent_grads``: DDP's
     gradient buckets, which hold every trainable gradient for the whole run (``gradient_as_bucket_view``).
+    ``offload``: the activation offload of ``config.offload_activations`` (made here when not given; a caller
+    that measures its host bytes passes its own).
     """
     phases.track_module(model)
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -309,7 +326,14 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
     optimizer = build_optimizer_for(model, config, foreach_default=cuda)
     if tracker is not None and isinstance(optimizer, OffloadedOptimizer):
-        optimizer.host_context = tracker.elsewhere  # its copies, state and update are the target's host's
+        # its copies, state and update are the target's host's
+        optimizer.host_context = functools.partial(tracker.elsewhere, "offloaded_optimizer")
+    if config.offload_activations and offload is None:
+        offload = ActivationOffload()
+    if offload is not None and tracker is not None:  # the host copies are the target's host's
+        offload.host_context = functools.partial(tracker.elsewhere, "offloaded_activations")
+    if isinstance(optimizer, InBackwardOptimizer) and read is assume_finite:
+        optimizer.check = assume_finite_gradient  # fake gradients hold no values to check
     scheduler = build_scheduler(optimizer, total_steps=len(windows), warmup_ratio=config.warmup_ratio)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
@@ -318,7 +342,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
             distributed.any_rank(False, device)
         window_loss, _ = accumulate_window(model, micro_batches, items,
                                            precision=precision, scaler=scaler, device=device, phases=phases,
-                                           sync=sync, loss_chunk=config.loss_chunk)
+                                           sync=sync, loss_chunk=config.loss_chunk, saved_tensors=offload)
         del micro_batches  # the engine's window runner drops its batches before the optimizer step
         if world_size > 1:
             window_loss = distributed.mean_over_ranks(window_loss)
@@ -341,7 +365,8 @@ def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimi
     unless the step is fused (or capturable), so then they are not device memory."""
     state = [(key, value) for per_param in optimizer.state.values()
              for key, value in per_param.items() if isinstance(value, torch.Tensor)]
-    tracker.relabel([value for _, value in state], "optimizer_state")
+    tracker.relabel([value for key, value in state if key != KAHAN_STATE], "optimizer_state")
+    tracker.relabel([value for key, value in state if key == KAHAN_STATE], "kahan_compensation")
     if host_step_counters:
         tracker.forget([value for key, value in state if key == "step"])
         # a paged optimizer's big states live in CUDA unified memory, outside the caching allocator, which
@@ -419,7 +444,7 @@ def resolve_strategy(config: TrainConfig, device: Device) -> str:
 
 
 def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bool = True,
-                    causal: bool = False) -> Batch:
+                    causal: bool = False, packed: bool = False) -> Batch:
     """A host batch of the given shape: texts at full length, the worst case padding can reach.
 
     ``padded``: one position is masked out, as in a padded batch. That is a different step, not only a
@@ -432,7 +457,13 @@ def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bo
 
     ``causal``: token labels, shifted as the causal-LM encoder shifts them, on every position but the last
     (the worst case: a one-token prompt, the rest completion).
+
+    ``packed`` (with ``causal``): packed rows, ``position_ids`` and no mask
+    (:func:`memfit.data.packing.synthetic_rows`); the trace builds their block-diagonal mask as the real step
+    does (:func:`memfit.memory.mask_values.known_masks`).
     """
+    if packed and causal:
+        return synthetic_rows(batch_size, length)
     labels = torch.zeros((batch_size, length) if causal else (batch_size,), dtype=torch.long)  # (B, S) or (B,)
     if causal:
         labels[:, -1] = -100

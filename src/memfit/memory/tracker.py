@@ -117,15 +117,18 @@ class StorageTracker(TorchDispatchMode):
         self.host_bytes = 0
         """Live bytes of the storages made inside :meth:`elsewhere` (the target's host memory)."""
         self.host_peak_bytes = 0
-        self._host_sizes: dict[int, int] = {}
-        self._elsewhere = False
+        self.host_category_bytes: dict[str, int] = {}
+        self.host_peak_breakdown: dict[str, int] = {}
+        """Host bytes per :meth:`elsewhere` category live at the host peak."""
+        self._host_sizes: dict[int, tuple[int, str]] = {}
+        self._elsewhere: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is DEVICE_QUERY:
             return args[0].fake_device if type(args[0]) is FakeTensor else func(*args)
         out = func(*args, **(kwargs or {}))
-        if self._elsewhere:
-            self._track_host(tree_leaves(out))
+        if self._elsewhere is not None:
+            self._track_host(tree_leaves(out), self._elsewhere)
             return out
         self.op_count += 1
         if self._flop_formulas is not None:
@@ -199,16 +202,17 @@ class StorageTracker(TorchDispatchMode):
             self._categories[key] = category
 
     @contextlib.contextmanager
-    def elsewhere(self) -> Iterator[None]:
+    def elsewhere(self, category: str = "host") -> Iterator[None]:
         """Ops inside run on the target's host, not on its device (an offloaded optimizer's step): what they
-        make counts as host memory (:attr:`host_bytes`), and they are not counted as the device's ops."""
-        outer, self._elsewhere = self._elsewhere, True
+        make counts as host memory (:attr:`host_bytes`) of ``category``, and they are not counted as the
+        device's ops."""
+        outer, self._elsewhere = self._elsewhere, category
         try:
             yield
         finally:
             self._elsewhere = outer
 
-    def _track_host(self, leaves: list[Any]) -> None:
+    def _track_host(self, leaves: list[Any], category: str) -> None:
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
                 continue
@@ -216,13 +220,18 @@ class StorageTracker(TorchDispatchMode):
             key = storage._cdata
             if key in self._sizes or key in self._host_sizes:
                 continue
-            self._host_sizes[key] = storage.nbytes()
+            self._host_sizes[key] = (storage.nbytes(), category)
             self.host_bytes += storage.nbytes()
-            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            self.host_category_bytes[category] = self.host_category_bytes.get(category, 0) + storage.nbytes()
+            if self.host_bytes > self.host_peak_bytes:
+                self.host_peak_bytes = self.host_bytes
+                self.host_peak_breakdown = dict(self.host_category_bytes)
             weakref.finalize(storage, self._release_host, key)
 
     def _release_host(self, key: int) -> None:
-        self.host_bytes -= self._host_sizes.pop(key, 0)
+        nbytes, category = self._host_sizes.pop(key, (0, "host"))
+        self.host_bytes -= nbytes
+        self.host_category_bytes[category] = self.host_category_bytes.get(category, 0) - nbytes
 
     def forget(self, tensors: list[torch.Tensor]) -> None:
         """Stop counting already-counted storages: they live elsewhere on the target (e.g. host-side scalars)."""

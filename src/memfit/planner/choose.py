@@ -15,6 +15,7 @@ from memfit.config import DEVICES, TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.estimate import Estimate, prepare_trace
+from memfit.planner.allowed import NOTHING, Allowed
 from memfit.planner.families import (
     CHECKPOINTING,
     Candidate,
@@ -24,23 +25,23 @@ from memfit.planner.families import (
     strategies,
     with_chunked_loss,
 )
+from memfit.planner.opt_ins import bitsandbytes_problem, opt_ins
 from memfit.planner.report import Plan, load_plan, rank_candidates, verdict_line
 from memfit.planner.search import Search
 from memfit.report import format_bytes
+from memfit.techniques.bf16_true import uses_kahan
 from memfit.techniques.optim import optimizer_problems
 
 
 def plan(config: TrainConfig | None = None, *, model: str | None = None, device: str | DeviceProfile = "1080ti",
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
-         image_size: int | None = None, margin: float = 0.05, allow_freeze: bool = False,
-         allow_8bit_optimizer: bool = False, allow_lora: bool = False, allow_qlora: bool = False,
-         allow_offload: bool = False,
+         image_size: int | None = None, margin: float = 0.05, allow: Allowed = NOTHING,
          lora_rank: int = 16, precisions: tuple[str, ...] | None = None, num_labels: int = 2,
          cache: dict[Any, Estimate] | None = None, gpus: int | None = None, suggest: bool = True) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
-    at ``effective_batch``; see the module docstring for the search and its cost model. ``allow_lora`` and
-    ``allow_qlora``: when no full fine-tuning fits, LoRA of ``lora_rank`` (then on a 4-bit base);
-    ``allow_offload``: full fine-tuning with the optimizer on the host (a CUDA card).
+    at ``effective_batch``; see the module docstring for the search and its cost model. ``allow``: the opt-ins
+    (:class:`~memfit.planner.allowed.Allowed`) tried in their order of fidelity when nothing accuracy-neutral
+    fits; LoRA and QLoRA of ``lora_rank`` last.
 
     ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
     ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
@@ -55,30 +56,27 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     if base.world_size > 1 and base.distributed == "none":
         base = dataclasses.replace(base, distributed="auto")
     profile, budget_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
-                                            allow_8bit=allow_8bit_optimizer,
-                                            lora_rank=lora_rank if allow_lora or allow_qlora else None)
+                                            allow_8bit=allow.eight_bit_optimizer,
+                                            lora_rank=lora_rank if allow.adapters else None)
     inputs = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # errors now
     spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache, layers=spec.num_layers)
-    chosen_precisions = tuple(sorted((p for p in profile.precisions() if not precisions or p in precisions),
+    named = planned_precisions(profile) if precisions else profile.precisions()  # bf16-true: named, or opted in
+    chosen_precisions = tuple(sorted((p for p in named if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
     chosen, smallest = _neutral(search, base, profile, chosen_precisions, inputs.task)
     advice: list[str] = []
     if chosen is None:
-        chosen, advice = _opt_ins(search, smallest, spec.num_layers, allow_freeze=allow_freeze,
-                                  allow_8bit=allow_8bit_optimizer, allow_offload=allow_offload, suggest=suggest)
-    if chosen is None and not base.lora_rank and base.world_size == 1 and (suggest or allow_lora or allow_qlora):
-        stages = {name: allowed for name, allowed in (("lora", allow_lora), ("qlora", allow_qlora))
+        chosen, advice = opt_ins(search, smallest, spec.num_layers, allow, suggest=suggest, task=inputs.task)
+    if chosen is None and not base.lora_rank and base.world_size == 1 and (suggest or allow.adapters):
+        stages = {name: allowed for name, allowed in (("lora", allow.lora), ("qlora", allow.qlora))
                   if allowed or suggest}
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
-                           optimizers=("adamw", "adamw8bit") if allow_8bit_optimizer else ("adamw",),
+                           optimizers=("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",),
                            task=inputs.task)
-    techniques = {"lora": allow_lora, "qlora": allow_qlora, "full": True}
-    ranked = rank_candidates(search, chosen, allowed=lambda f: (f.freeze == "none" or allow_freeze)
-                             and (f.optimizer != "adamw8bit" or allow_8bit_optimizer) and techniques[f.technique]
-                             and (allow_offload or not f.offload_optimizer))
+    ranked = rank_candidates(search, chosen, allowed=lambda f: allow.permits(f.opt_ins))
     verdict = verdict_line(chosen, smallest, advice, usable, budget_bytes, margin)
     length = seq_len or base.max_length
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
@@ -93,9 +91,14 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
              task: str) -> tuple[Candidate | None, Candidate | None]:
     """(the fastest accuracy-neutral setup that fits, or ``None``; when none does, the least any needs, with
     the leanest optimizer step)."""
+    def kahan(precision: str) -> bool:
+        return uses_kahan(base.kahan, precision=precision, optimizer=base.optimizer)
+
     neutral = with_chunked_loss([
-        Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile),
-               optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base)
+        Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile, kahan=kahan(p)),
+               optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base,
+               kahan=kahan(p), optimizer_in_backward=base.optimizer_in_backward,
+               offload_optimizer=base.offload_optimizer)
         for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
     search.search(neutral)
     chosen = search.best(confirmed=True)
@@ -110,7 +113,8 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
                 break
         return search.best(confirmed=True), None
     for kernels in leaner_kernels(smallest.family):
-        leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels), 1)
+        leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels),
+                                        search.least_micro(smallest.family))
         if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
             smallest = leaner
     chosen = search.best(confirmed=True)  # a leaner step's micro-batch 1 may fit
@@ -163,7 +167,7 @@ def _checked_inputs(base: TrainConfig, device: str | DeviceProfile, budget: str 
     if lora_rank is not None and lora_rank < 1:
         problems.add(f"--lora-rank {lora_rank}: a planned adapter needs a rank of at least 1 (e.g. 16)")
     if profile is not None:
-        allowed = profile.precisions()
+        allowed = planned_precisions(profile)
         for precision in precisions or ():
             if precision not in allowed:
                 problems.add(f"--precision {precision}: not planned on {profile.description}; use one of "
@@ -188,54 +192,6 @@ def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> in
     if profile.kind == "cpu":
         raise ConfigError("--device cpu has no fixed memory: give --budget, e.g. --budget 2GiB")
     return profile.memory_bytes
-
-
-def _opt_ins(search: Search, smallest: Candidate | None, num_layers: int, *, allow_freeze: bool,
-             allow_8bit: bool, allow_offload: bool = False,
-             suggest: bool = True) -> tuple[Candidate | None, list[str]]:
-    """When nothing accuracy-neutral fits: what each opt-in needs at least (``suggest=False``: each allowed
-    one); the least change that fits wins if it is allowed, searched like the neutral families. Offloading
-    the optimizer changes nothing learned, so it comes first; then 8-bit states, then freezing, least first."""
-    assert smallest is not None
-    lean = smallest.family
-    freezes = list(dict.fromkeys(["embeddings", f"top-{max(1, num_layers // 2)}", f"top-{max(1, num_layers // 4)}"]))
-    options: list[tuple[str, bool, list[Family]]] = [
-        (f"--allow-freeze ({freeze})", allow_freeze,
-         [dataclasses.replace(lean, freeze=freeze, checkpointing=c) for c in CHECKPOINTING]) for freeze in freezes]
-    unsupported = bitsandbytes_problem(search.profile)
-    if not optimizer_problems("adamw8bit") and not unsupported:
-        options.insert(0, ("--allow-8bit-optimizer", allow_8bit,
-                           [dataclasses.replace(lean, optimizer="adamw8bit", checkpointing=c) for c in CHECKPOINTING]))
-    if search.profile.kind == "cuda" and not lean.ranks and not lean.lora_rank:
-        options.insert(0, ("--allow-offload", allow_offload,
-                           [dataclasses.replace(lean, offload_optimizer=True, checkpointing=c) for c in CHECKPOINTING]))
-    advice = []
-    for label, allowed, families in options:
-        if not (allowed or suggest):
-            continue
-        try:
-            need = search.exact_candidate(families[-1], 1)  # full checkpointing, micro-batch 1: its least
-        except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest
-            if families[0].optimizer != "adamw8bit":
-                raise
-            advice.append(f"{label} could not be traced ({type(error).__name__}); it is not planned")
-            continue
-        fits = bool(need.fits)
-        advice.append(f"{label} {'would fit' if fits else 'would not fit either'}: it needs at least "
-                      f"{format_bytes(need.predicted_peak_bytes or 0)}")
-        if fits and allowed:
-            search.search(families)
-            chosen = search.best(confirmed=True)
-            if chosen is not None:
-                return chosen, advice
-    if optimizer_problems("adamw8bit"):
-        advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install 'memfit[lora]') to be planned")
-    elif unsupported:
-        advice.append(f"--allow-8bit-optimizer: {unsupported}")
-    return None, advice
-
-
-BITSANDBYTES_CAPABILITY = (6, 0)
 
 
 def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
@@ -277,12 +233,7 @@ def adapter_problem(technique: str, profile: DeviceProfile) -> str | None:
     return bitsandbytes_problem(profile)
 
 
-def bitsandbytes_problem(profile: DeviceProfile) -> str | None:
-    """Why bitsandbytes' 8-bit states and 4-bit weights cannot run on ``profile``'s card, or ``None``: its CUDA
-    kernels need compute capability 6.0 (Pascal) or newer. (torchao's low-bit optimizers, which compile Triton
-    kernels, would need 7.0: memfit does not use them, so a 1080 Ti gets bitsandbytes' states.)"""
-    capability = profile.compute_capability
-    if capability is not None and capability < BITSANDBYTES_CAPABILITY:
-        return (f"bitsandbytes' CUDA kernels need compute capability 6.0 or newer; {profile.description} has "
-                f"{capability[0]}.{capability[1]}")
-    return None
+def planned_precisions(profile: DeviceProfile) -> tuple[str, ...]:
+    """What ``--precision`` may name in a plan for ``profile``: its own precisions, and ``bf16-true`` where the
+    card has bf16 (otherwise planned only as ``--allow-bf16-true``'s opt-in)."""
+    return (*profile.precisions(), *(("bf16-true",) if profile.has_native_bf16 else ()))

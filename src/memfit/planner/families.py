@@ -41,6 +41,12 @@ class Family:
     loss_chunk: int | None = None
     """A causal LM's loss over chunks of this many positions, their logits recomputed in backward (the same
     loss; one more pass of the output layer); ``None``: the run's own setting."""
+    kahan: bool = False
+    """``bf16-true``: Kahan-summed updates (torch-optimi)."""
+    optimizer_in_backward: bool = False
+    """Each parameter updated in backward, its gradient freed: one micro-batch per window, no clipping."""
+    drops_clipping: bool = False
+    """The step in backward where the run clips by the global norm: the clipping is dropped (an opt-in)."""
 
     @property
     def ranks(self) -> bool:
@@ -59,24 +65,29 @@ class Family:
 
     @property
     def accuracy_neutral(self) -> bool:
-        return self.freeze == "none" and self.optimizer != "adamw8bit" and not self.lora_rank
+        return self.freeze == "none" and self.optimizer != "adamw8bit" and not self.lora_rank and \
+            self.precision != "bf16-true" and not self.drops_clipping
+
+    @property
+    def opt_ins(self) -> tuple[str, ...]:
+        """The planner flags this family needs (none when it is always allowed)."""
+        flags = [f"--allow-{self.technique}"] if self.lora_rank else []
+        flags += ["--allow-freeze"] if self.freeze != "none" else []
+        flags += ["--allow-8bit-optimizer"] if self.optimizer == "adamw8bit" and not self.lora_rank else []
+        flags += ["--allow-bf16-true"] if self.precision == "bf16-true" else []
+        flags += ["--allow-optimizer-in-backward"] if self.optimizer_in_backward else []
+        flags += ["--allow-offload"] if self.offload_optimizer else []
+        return tuple(flags)
 
     @property
     def opt_in(self) -> str | None:
-        """The planner flag this family needs, or ``None`` when it is always allowed."""
-        if self.lora_rank:
-            return f"--allow-{self.technique}"
-        if self.freeze != "none":
-            return "--allow-freeze"
-        if self.optimizer == "adamw8bit":
-            return "--allow-8bit-optimizer"
-        return "--allow-offload" if self.offload_optimizer else None
+        """The planner flags this family needs, in words, or ``None`` when it is always allowed."""
+        return " and ".join(self.opt_ins) or None
 
     @property
     def optimizer_label(self) -> str:
-        if self.optimizer == "adamw8bit":
-            return "adamw8bit"
-        return f"{self.optimizer}-{self.kernels}"
+        name = "adamw8bit" if self.optimizer == "adamw8bit" else f"{self.optimizer}-{self.kernels}"
+        return name + ("-kahan" if self.kahan else "") + (" in backward" if self.optimizer_in_backward else "")
 
     def configure(self, base: TrainConfig, *, micro_batch_size: int, effective_batch: int) -> TrainConfig:
         """``base`` with this family's techniques and the given split (``effective_batch``: the global one,
@@ -92,7 +103,10 @@ class Family:
             freeze_embeddings=self.freeze == "embeddings" or base.freeze_embeddings,
             train_top_layers=top if top is not None else base.train_top_layers,
             lora_rank=self.lora_rank, quantize_base=self.quantize_base, offload_optimizer=self.offload_optimizer,
-            loss_chunk=self.loss_chunk if self.loss_chunk is not None else base.loss_chunk)
+            loss_chunk=self.loss_chunk if self.loss_chunk is not None else base.loss_chunk,
+            kahan=self.kahan if self.precision == "bf16-true" else None,
+            optimizer_in_backward=self.optimizer_in_backward,
+            max_grad_norm=None if self.optimizer_in_backward else base.max_grad_norm)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,6 +142,9 @@ class Candidate:
                 "distributed": self.family.strategy, "world_size": self.world_size,
                 "lora_rank": self.family.lora_rank, "quantize_base": self.family.quantize_base,
                 "offload_optimizer": self.family.offload_optimizer, "loss_chunk": self.family.loss_chunk,
+                "weights_precision": "bf16" if self.family.precision == "bf16-true" else "fp32",
+                "kahan": self.family.kahan, "optimizer_in_backward": self.family.optimizer_in_backward,
+                "drops_clipping": self.family.drops_clipping,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -157,9 +174,11 @@ def with_chunked_loss(families: list[Family], base: TrainConfig, task: str) -> l
     return [*families, *chunked]
 
 
-def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile) -> str:
+def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile, *, kahan: bool = False) -> str:
     """The step memfit runs by default: fused AdamW in one process, else torch's default (foreach kernels on
-    CUDA, a loop on CPU)."""
+    CUDA, a loop on CPU); torch-optimi's Kahan-summed step in a loop."""
+    if kahan:
+        return "loop"
     if optimizer == "adamw" and strategy == "none":
         return "fused"
     return "foreach" if profile.kind == "cuda" else "loop"
@@ -168,7 +187,8 @@ def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile) -> st
 def leaner_kernels(family: Family) -> list[str]:
     """The other implementations of the family's step, to try when nothing fits (fused and loop keep no
     gradient-sized temporaries; foreach does)."""
-    options = ["fused", "loop"] if family.optimizer == "adamw" and not family.ranks else ["loop"]
+    options = ["fused", "loop"] if family.optimizer == "adamw" and not family.ranks and not family.kahan \
+        else ["loop"]
     return [kernels for kernels in options if kernels != family.kernels]
 
 

@@ -109,6 +109,14 @@ class Plan:
             warnings.warn("the plan keeps the optimizer's state on the host: Trainer does that only through "
                           "DeepSpeed (ZeRO stage 2 with offload_optimizer device 'cpu'); or train with memfit "
                           "--offload-optimizer", stacklevel=2)
+        if family.precision == "bf16-true":
+            warnings.warn("the plan trains 16-bit weights with Kahan-summed updates (memfit --precision bf16-true): "
+                          "Trainer's bf16 is mixed precision; a model loaded in bfloat16 trains without Kahan "
+                          "summation there. Train with memfit to keep the plan's numerics", stacklevel=2)
+        if family.optimizer_in_backward:
+            warnings.warn("the plan updates each parameter inside backward (memfit --optimizer-in-backward), which "
+                          "Trainer does not do: its full set of gradients needs more memory than the plan's peak; "
+                          "train with memfit to keep it", stacklevel=2)
         optim = {"adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}.get(family.optimizer) or (
             "adamw_torch" if family.kernels == "foreach" else "adamw_torch_fused")
         config = from_mapping(self.config)

@@ -114,6 +114,7 @@ class Search:
         allocated peak for a quarter fewer ops; the allocator's reserve can differ, so confirmations are not
         lean and equal ``memfit estimate``); ``layers``: of a copy of the model that deep (not kept as a
         setup's trace)."""
+        accumulate = accumulate and not family.optimizer_in_backward  # a window of one micro-batch there
         lean = lean and accumulate  # a window of one micro-batch is lean already
         key = (family, micro, accumulate, lean)
         if key not in self.traces or layers is not None:
@@ -145,7 +146,13 @@ class Search:
         return self.trace(family, micro, accumulate=math.ceil(self.effective / micro) > 1)
 
     def fit(self, family: Family) -> None:
-        """Trace ``family`` at its two largest micro-batches with accumulation and predict every split."""
+        """Trace ``family`` at its two largest micro-batches with accumulation and predict every split (a
+        step in backward: its one split, the whole window in one micro-batch)."""
+        if family.optimizer_in_backward:
+            self.lines[family] = _Line(self.exact(family, self.effective), None)
+            self.costs[family] = self.step_cost(family, self.lines[family].low)
+            self.predict(family, self.effective)
+            return
         accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
         if accumulated:
             traces = [self.line_point(family, micro) for micro in accumulated[:2]]
@@ -157,6 +164,7 @@ class Search:
             self.predict(family, micro)
 
     def predict(self, family: Family, micro: int) -> Candidate:
+        assert micro == self.effective or not family.optimizer_in_backward, "a step in backward cannot accumulate"
         steps = math.ceil(self.effective / micro)
         full, lean = (family, micro, steps > 1, False), (family, micro, steps > 1, steps > 1)
         if full in self.traces or lean in self.traces:
@@ -171,7 +179,7 @@ class Search:
             peak, allocated = peak + extra, allocated + extra
         seconds = step_seconds(self.costs[family], self.profile, family.precision,
                                effective_batch=self.effective, accumulation_steps=steps, strategy=family.strategy,
-                               world_size=self.world_size, offload=family.offload_optimizer)
+                               world_size=self.world_size, offload=family.offload_optimizer, kahan=family.kahan)
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
@@ -196,9 +204,10 @@ class Search:
         with checkpointing, ops with checkpointing and with autocast's casts."""
         rank = CHECKPOINTING.index(family.checkpointing)
         known = [(other, cost) for other, cost in self.costs.items()
-                 if (other.freeze, other.optimizer, other.lora_rank, other.quantize_base, other.offload_optimizer)
+                 if (other.freeze, other.optimizer, other.lora_rank, other.quantize_base, other.offload_optimizer,
+                     other.optimizer_in_backward, other.kahan)
                  == (family.freeze, family.optimizer, family.lora_rank, family.quantize_base,
-                     family.offload_optimizer)
+                     family.offload_optimizer, family.optimizer_in_backward, family.kahan)
                  and CHECKPOINTING.index(other.checkpointing) <= rank
                  and other.loss_chunk in (None, family.loss_chunk)  # chunking only adds work
                  and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
@@ -213,7 +222,7 @@ class Search:
                          trainable_parameters=trainable, parameters=parameters)
         return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
                             accumulation_steps=1, strategy=family.strategy, world_size=self.world_size,
-                            offload=family.offload_optimizer)
+                            offload=family.offload_optimizer, kahan=family.kahan)
 
     def best(self, *, confirmed: bool, where: Callable[[Family], bool] | None = None) -> Candidate | None:
         """The fastest fitting setup (``confirmed``: traced exactly; ``where``: of the families it accepts)."""
@@ -268,8 +277,26 @@ class Search:
         through larger micro-batches can misjudge micro-batch 1, e.g. autocast's cached 16-bit weight copies
         against fp32's larger activations)."""
         fitted = [family for family in families if family in self.lines]
-        predicted = [self.predict(family, 1) for family in fitted]
+        predicted = [self.predict(family, self.least_micro(family)) for family in fitted]
         lowest = min(c.predicted_peak_bytes or 0 for c in predicted)
         near = [c.family for c in predicted if (c.predicted_peak_bytes or 0) <= lowest * (1 + SMALLEST_BAND)
                 or c.family.loss_chunk is not None]  # their lines miss micro-batch 1 most (logits per chunk)
-        return min((self.exact_candidate(family, 1) for family in near), key=lambda c: c.predicted_peak_bytes or 0)
+        return min((self.exact_candidate(family, self.least_micro(family)) for family in near),
+                   key=lambda c: c.predicted_peak_bytes or 0)
+
+    def least_micro(self, family: Family) -> int:
+        """The micro-batch of ``family``'s least need at this effective batch: 1, or the whole window for a step
+        in backward (which cannot accumulate)."""
+        return self.effective if family.optimizer_in_backward else 1
+
+    def largest_window(self, family: Family) -> tuple[int, Estimate]:
+        """A step in backward: (the largest effective batch per rank, at most this one, whose window of one
+        micro-batch fits, 0 when none does; the trace of the least it needs, a window of one sample)."""
+        least = self.trace(family, 1, accumulate=False)
+        largest = 0
+        if least.total_bytes <= self.usable:
+            for micro in sorted(self.micros):
+                if self.trace(family, micro, accumulate=False).total_bytes > self.usable:
+                    break
+                largest = micro
+        return largest, least

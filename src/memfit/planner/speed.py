@@ -13,6 +13,9 @@ EFFICIENCY = 0.5
 BYTES_PER_TRAINED_PARAMETER = 32
 """AdamW step traffic: read weight, gradient and two states, write weight and two states (fp32), plus the
 norm's read of the gradient."""
+KAHAN_BYTES_PER_TRAINED_PARAMETER = 10
+"""Kahan summation's extra traffic per bf16 parameter: its compensation buffer read and written in the update,
+read again when added to the weight, and the rounding error written back through a temporary (5 x 2 bytes)."""
 HOST_MEMORY_BANDWIDTH = 20e9
 """Bytes per second of the host's memory: where an offloaded optimizer step runs."""
 STEPS = 2
@@ -45,12 +48,15 @@ class StepCost:
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
                  accumulation_steps: int, strategy: str = "none", world_size: int = 1,
-                 offload: bool = False) -> float:
+                 offload: bool = False, kahan: bool = False) -> float:
     """The cost model's time of one optimizer step of one rank (see the module docstring);
-    ``effective_batch`` is the samples this rank computes; ``offload``: the optimizer's step on the host."""
+    ``effective_batch`` is the samples this rank computes; ``offload``: the optimizer's step on the host;
+    ``kahan``: bf16 weights' compensated update."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
-    optimizer = cost.trainable_parameters * BYTES_PER_TRAINED_PARAMETER / profile.memory_bandwidth
+    step_bytes = BYTES_PER_TRAINED_PARAMETER // 2 if precision == "bf16-true" else BYTES_PER_TRAINED_PARAMETER
+    step_bytes += KAHAN_BYTES_PER_TRAINED_PARAMETER if kahan else 0
+    optimizer = cost.trainable_parameters * step_bytes / profile.memory_bandwidth
     if offload:  # fp32 gradients to the host and weights back over PCIe, the update at host memory speed
         optimizer = cost.trainable_parameters * (2 * 4 / profile.host_bandwidth
                                                  + BYTES_PER_TRAINED_PARAMETER / HOST_MEMORY_BANDWIDTH)

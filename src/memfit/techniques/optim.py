@@ -69,12 +69,23 @@ def step_kernels(name: str, *, foreach: bool | None, fused: bool | None,
 
 
 def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: float, momentum: float,
-                    foreach: bool | None, fused: bool = False, offload: bool = False) -> torch.optim.Optimizer:
+                    foreach: bool | None, fused: bool = False, offload: bool = False, kahan: bool = False,
+                    in_backward: bool = False) -> torch.optim.Optimizer:
     """``offload``: the same optimizer on the host (fused AdamW there, whatever ``fused`` says for the card),
-    behind :class:`~memfit.techniques.offload.OffloadedOptimizer`."""
+    behind :class:`~memfit.techniques.offload.OffloadedOptimizer`. ``kahan``: torch-optimi's Kahan-summed
+    optimizer (:mod:`memfit.techniques.bf16_true`). ``in_backward``: one optimizer per parameter, stepped in
+    backward (:mod:`memfit.techniques.optimizer_in_backward`)."""
     groups = [group for group in parameter_groups(model, weight_decay) if group["params"]]
     if not groups:
         raise ConfigError("every parameter is frozen: nothing to train; train more layers")
+    if in_backward:
+        from memfit.techniques.optimizer_in_backward import InBackwardOptimizer
+
+        def per_parameter(one: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return build_optimizer_of(one, name=name, lr=lr, momentum=momentum, foreach=foreach, fused=fused,
+                                      kahan=kahan)
+
+        return InBackwardOptimizer(groups, per_parameter, lr=lr)
     if offload:
         from memfit.techniques.offload import OffloadedOptimizer
 
@@ -83,12 +94,16 @@ def build_optimizer(model: nn.Module, *, name: str, lr: float, weight_decay: flo
                                       fused=name == "adamw")
 
         return OffloadedOptimizer(groups, on_host, lr=lr)
-    return build_optimizer_of(groups, name=name, lr=lr, momentum=momentum, foreach=foreach, fused=fused)
+    return build_optimizer_of(groups, name=name, lr=lr, momentum=momentum, foreach=foreach, fused=fused, kahan=kahan)
 
 
 def build_optimizer_of(groups: list[dict[str, Any]], *, name: str, lr: float, momentum: float,
-                       foreach: bool | None, fused: bool) -> torch.optim.Optimizer:
+                       foreach: bool | None, fused: bool, kahan: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``name`` over parameter ``groups``."""
+    if kahan:
+        from memfit.techniques.bf16_true import kahan_optimizer
+
+        return kahan_optimizer(groups, name=name, lr=lr, momentum=momentum, foreach=foreach)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, foreach=foreach, fused=fused or None)
     if name == "sgd":

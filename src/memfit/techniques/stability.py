@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memfit.techniques.optimizer_in_backward import InBackwardOptimizer
+
 
 def gradient_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of the gradients, as a tensor on their device (no sync)."""
@@ -83,6 +85,8 @@ def guarded_step(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Par
     One host-device synchronisation (reading the loss and the norm together). Gradients are left in place;
     the caller zeroes them.
     """
+    if isinstance(optimizer, InBackwardOptimizer):  # already stepped, parameter by parameter, in backward
+        return _released_check(optimizer, named, window_loss, read)
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip and check in real units
     parameters = [parameter for _, parameter in named]
@@ -100,3 +104,14 @@ def guarded_step(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Par
     elif check.applied:
         optimizer.step()
     return check
+
+
+def _released_check(optimizer: InBackwardOptimizer, named: list[tuple[str, nn.Parameter]],
+                    window_loss: torch.Tensor, read: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]],
+                    ) -> StepCheck:
+    """The check of a step that ran inside backward: the loss and the norm of the gradients it used, and the
+    parameters it left unchanged because their gradient was not finite (the others were updated)."""
+    loss_value, norm_value = read(window_loss, optimizer.take_norm())
+    skipped = {id(parameter) for parameter in optimizer.take_skipped()}
+    bad = [name for name, parameter in named if id(parameter) in skipped]
+    return StepCheck(loss_value, norm_value, math.isfinite(loss_value), not bad, bad[:3])

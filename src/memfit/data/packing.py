@@ -1,0 +1,117 @@
+"""Packed sequences for causal-LM training (``--packing``): examples concatenated into rows of exactly
+``--max-length`` tokens, so every training step is full length and no token is padding.
+
+Algorithm. The training examples (each already ``prompt + completion`` cut to ``--max-length`` by
+:func:`memfit.data.batches.fit_pair`) are put in one seeded order (:func:`memfit.data.batches.window_order` of
+``--seed`` at epoch 0), concatenated into one stream, and the stream is cut into rows of ``--max-length``
+tokens. The packing is made once per run: the epochs shuffle the rows, not the examples inside them. Only the
+last row can be short; its rest is the pad token, labelled -100, with positions of its own restarting at 0.
+
+What a row carries. ``position_ids`` are each token's position in its own example: they restart at 0 where an
+example starts, and transformers reads those restarts (``masking_utils.find_packed_sequence_indices``) to
+build a block-diagonal causal mask, so attention never crosses two examples, and the padding attends only to
+itself. The batch has no ``attention_mask`` (with one, transformers would not look for packed sequences), and
+the model must run without a KV cache (:func:`disable_cache`: with one it does not look either). ``labels`` are
+each example's own shifted completion labels (:func:`memfit.data.batches.completion_labels`): an example's last
+token predicts nothing, never the first token of the next example, and the loss counts exactly the
+completion tokens it counts unpacked.
+
+Trade-off. Padded micro-batches spend compute and activation memory on padding and are as wide as their
+longest example; packed rows have none (a run over many short examples takes far fewer, denser steps), but
+every step is ``--max-length`` wide, the mask is a (B, 1, S, S) tensor, and with grouped-query attention SDPA
+repeats K and V to every head (the estimate counts both). An example the stream cuts at a row's end goes on at
+the start of the next row with its positions continuing, but its second part no longer sees its first: its
+tokens there are predicted with less context than unpacked (their labels stay). A "sample" of the run is a
+row: ``--effective-batch`` counts rows, ``samples/s`` is rows per second. Validation stays per example,
+unpacked, so its loss and accuracy compare with an unpacked run. Causal-LM only (a classification label
+belongs to a whole text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memfit.data.batches import Batch, CausalEncoder, completion_labels, window_order
+
+IGNORE_INDEX = -100
+PACKING_ORDER_EPOCH = 0
+"""The packing's order is ``window_order(seed, epoch=0)``: the training epochs count from 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedEncoder:
+    """The training examples packed into rows; ``encoder(indices)`` is a batch of those rows (indices of rows,
+    not of examples)."""
+
+    input_ids: torch.Tensor
+    """(R, S) token ids; the end of the last row is the pad token."""
+    position_ids: torch.Tensor
+    """(R, S) each token's position in its example (the padding: its own run from 0)."""
+    labels: torch.Tensor
+    """(R, S) each example's shifted completion labels, -100 elsewhere."""
+    num_examples: int
+
+    @classmethod
+    def build(cls, encoder: CausalEncoder, max_length: int, *, seed: int) -> PackedEncoder:
+        """Pack a causal encoder's examples in the seeded order."""
+        order = window_order(len(encoder.sequences), seed=seed, epoch=PACKING_ORDER_EPOCH)
+        return pack([encoder.sequences[i] for i in order], [encoder.prompt_lengths[i] for i in order],
+                    max_length=max_length, pad_token_id=encoder.pad_token_id)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def __call__(self, indices: Sequence[int]) -> Batch:
+        rows = torch.tensor(list(indices), dtype=torch.long)
+        return {"input_ids": self.input_ids[rows], "position_ids": self.position_ids[rows],  # (B, S)
+                "labels": self.labels[rows]}  # (B, S); no attention_mask: the positions say where examples start
+
+
+def pack(sequences: list[list[int]], prompt_lengths: list[int], *, max_length: int,
+         pad_token_id: int) -> PackedEncoder:
+    """``sequences`` concatenated in the order given and cut into rows of ``max_length`` tokens."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    labels: list[int] = []
+    for sequence, prompt_length in zip(sequences, prompt_lengths, strict=True):
+        tokens += sequence
+        positions += range(len(sequence))
+        labels += completion_labels(sequence, prompt_length)
+    padding = -len(tokens) % max_length
+    tokens += [pad_token_id] * padding
+    positions += range(padding)  # a segment of its own: it attends to no real token, and none to it
+    labels += [IGNORE_INDEX] * padding
+
+    def rows(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).view(-1, max_length)  # (R, S)
+
+    return PackedEncoder(input_ids=rows(tokens), position_ids=rows(positions), labels=rows(labels),
+                         num_examples=len(sequences))
+
+
+def synthetic_rows(batch_size: int, length: int) -> Batch:
+    """``batch_size`` packed rows of ``length`` tokens for a traced step: two examples to a row (a one-token
+    prompt, the rest completion), so the rows take the block-diagonal mask branch of a real packed batch."""
+    halves = [(length + 1) // 2, length // 2] if length > 1 else [length]
+    sequences = [[0] * size for size in halves] * batch_size
+    return pack(sequences, [1] * len(sequences), max_length=length, pad_token_id=0)(range(batch_size))
+
+
+def packing_problems(packing: bool, task: str) -> list[str]:
+    """``--packing`` is for causal-LM data: a classification run is refused."""
+    if packing and task != "causal-lm":
+        return ["--packing packs causal-LM examples (prompt/completion or chat data) into full rows; this run is "
+                "classification, whose labels belong to whole texts: drop --packing"]
+    return []
+
+
+def disable_cache(model: nn.Module) -> None:
+    """Train without a KV cache: transformers looks for packed sequences in ``position_ids`` only when the
+    forward has no cache (``masking_utils._preprocess_mask_arguments``), and a training step needs none."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False

@@ -1,0 +1,159 @@
+"""When nothing accuracy-neutral fits: the opt-ins, in their order of fidelity, each on top of the ones before.
+
+The order (the first that fits and is allowed wins; each says what it needs at least):
+
+1. the optimizer step inside backward, where the run does not clip (it changes nothing learned then);
+2. the optimizer on the host (one CUDA card; the same update, slower steps);
+3. the optimizer step inside backward where the run clips by the global norm (clipping dropped);
+4. 16-bit weights with Kahan-summed updates (``bf16-true``, a card with bf16);
+5. 8-bit AdamW states;
+6. freezing: the embeddings, then all but the top half, then all but the top quarter of the layers.
+
+1, 3, 4 and 5 build on each other when allowed, as the fine-tuning recipes that fit 8B models on one 24 GB
+card stack them (16-bit weights, the step in backward, 8-bit states); the host optimizer and freezing are tried
+alone on top of those. A step in backward cannot accumulate: its setups compute the whole window in one
+micro-batch, and when only a smaller window would fit, the advice says which effective batch does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memfit.devices import DeviceProfile
+from memfit.planner.allowed import Allowed
+from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels
+from memfit.planner.search import Search
+from memfit.report import format_bytes
+from memfit.techniques.optim import optimizer_problems
+
+Change = Callable[[Family], Family | None]
+"""An opt-in applied to a family (``None`` where it cannot apply)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    flag: str
+    allowed: bool
+    change: Change
+    builds: bool = True
+    """Later stages build on this one when it is allowed (else each is tried alone)."""
+
+
+def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
+    """The opt-ins for this search's card and run, in order (see the module docstring)."""
+    profile, clips = search.profile, search.base.max_grad_norm is not None
+
+    def in_backward(family: Family) -> Family | None:
+        if family.ranks or family.optimizer_in_backward:
+            return None
+        return dataclasses.replace(family, optimizer_in_backward=True, drops_clipping=clips, offload_optimizer=False,
+                                   precision="fp32" if family.precision == "fp16" else family.precision)
+
+    def offload(family: Family) -> Family | None:
+        if profile.kind != "cuda" or family.ranks or family.lora_rank or family.optimizer_in_backward \
+                or family.precision == "bf16-true":
+            return None
+        return dataclasses.replace(family, offload_optimizer=True)
+
+    def bf16_true(family: Family) -> Family | None:
+        if not profile.has_native_bf16 or family.ranks or family.offload_optimizer:
+            return None
+        kahan = family.optimizer != "adamw8bit" and importlib.util.find_spec("optimi") is not None
+        return dataclasses.replace(family, precision="bf16-true", kahan=kahan,
+                                   kernels=default_kernels(family.optimizer, family.strategy, profile, kahan=kahan))
+
+    def eight_bit(family: Family) -> Family | None:
+        if family.offload_optimizer:
+            return None
+        return dataclasses.replace(family, optimizer="adamw8bit", kahan=False,
+                                   kernels=default_kernels("adamw8bit", family.strategy, profile))
+
+    neutral_in_backward = Stage("--allow-optimizer-in-backward", allow.optimizer_in_backward, in_backward)
+    order = [neutral_in_backward, Stage("--allow-offload", allow.offload, offload, builds=False)]
+    order = order if not clips else order[::-1]
+    order.append(Stage("--allow-bf16-true", allow.bf16_true, bf16_true))
+    if not optimizer_problems("adamw8bit") and not bitsandbytes_problem(profile):
+        order.append(Stage("--allow-8bit-optimizer", allow.eight_bit_optimizer, eight_bit))
+    for freeze in dict.fromkeys(["embeddings", f"top-{max(1, num_layers // 2)}", f"top-{max(1, num_layers // 4)}"]):
+        order.append(Stage(f"--allow-freeze ({freeze})", allow.freeze, _freezing(freeze), builds=False))
+    return order
+
+
+def _freezing(part: str) -> Change:
+    def change(family: Family) -> Family:
+        return dataclasses.replace(family, freeze=part)
+    return change
+
+
+def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: Allowed, *, suggest: bool,
+            task: str) -> tuple[Candidate | None, list[str]]:
+    """The fastest setup of the first allowed opt-in that fits, or ``None``; and what each one tried needs at
+    least (``suggest=False``: only the allowed ones are tried)."""
+    assert smallest is not None
+    bases, advice = [smallest.family], []
+    for stage in stages(search, num_layers, allow):
+        if not (stage.allowed or suggest):
+            continue
+        changed = [family for family in map(stage.change, bases) if family is not None]
+        if not changed:
+            continue
+        families = [dataclasses.replace(family, checkpointing=c) for family in changed for c in CHECKPOINTING]
+        try:
+            fits, line = _need(search, stage.flag, families)
+        except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest
+            if not any(family.optimizer == "adamw8bit" for family in changed):
+                raise
+            advice.append(f"{stage.flag} could not be traced ({type(error).__name__}); it is not planned")
+            continue
+        advice.append(line)
+        if fits and stage.allowed:
+            search.search(families)
+            chosen = search.best(confirmed=True, where=lambda family: allow.permits(family.opt_ins))
+            if chosen is not None:
+                return chosen, advice
+        if stage.allowed and stage.builds:  # the step in backward keeps the accumulating setups beside it
+            bases = [*bases, *changed] if stage.flag == "--allow-optimizer-in-backward" else changed
+    if optimizer_problems("adamw8bit"):
+        advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install 'memfit[lora]') to be planned")
+    elif problem := bitsandbytes_problem(search.profile):
+        advice.append(f"--allow-8bit-optimizer: {problem}")
+    if not search.profile.has_native_bf16 and (allow.bf16_true or suggest):
+        advice.append(f"--allow-bf16-true: {search.profile.description} has no native bf16")
+    return None, advice
+
+
+def _need(search: Search, flag: str, families: list[Family]) -> tuple[bool, str]:
+    """(whether the least of ``families`` fits the budget at this effective batch, the advice line): fully
+    checkpointed, micro-batch 1 (a step in backward: the whole window; when that does not fit, the largest
+    window that does)."""
+    least = [family for family in families if family.checkpointing == "full"]
+    needs = [search.exact_candidate(family, search.least_micro(family)) for family in least]
+    best = min(needs, key=lambda candidate: candidate.predicted_peak_bytes or 0)
+    if best.fits:
+        return True, f"{flag} would fit: it needs at least {format_bytes(best.predicted_peak_bytes or 0)}"
+    released = [family for family in least if family.optimizer_in_backward]
+    windows = [search.largest_window(family) for family in released]
+    largest = max((window[0] for window in windows), default=0)
+    if largest:
+        return False, (f"{flag}: full fine-tuning would fit at an effective batch of at most {largest} with the "
+                       "optimizer step in backward, which cannot accumulate (at "
+                       f"{search.effective} it needs {format_bytes(best.predicted_peak_bytes or 0)})")
+    floor = min([best.predicted_peak_bytes or 0, *(window[1].total_bytes for window in windows)])
+    return False, f"{flag} would not fit either: it needs at least {format_bytes(floor)}"
+
+
+BITSANDBYTES_CAPABILITY = (6, 0)
+
+
+def bitsandbytes_problem(profile: DeviceProfile) -> str | None:
+    """Why bitsandbytes' 8-bit states and 4-bit weights cannot run on ``profile``'s card, or ``None``: its CUDA
+    kernels need compute capability 6.0 (Pascal) or newer. (torchao's low-bit optimizers, which compile Triton
+    kernels, would need 7.0: memfit does not use them, so a 1080 Ti gets bitsandbytes' states.)"""
+    capability = profile.compute_capability
+    if capability is not None and capability < BITSANDBYTES_CAPABILITY:
+        return (f"bitsandbytes' CUDA kernels need compute capability 6.0 or newer; {profile.description} has "
+                f"{capability[0]}.{capability[1]}")
+    return None

@@ -1,0 +1,126 @@
+"""The optimizer step inside backward (``--optimizer-in-backward``, "gradient release").
+
+Each trained parameter has an optimizer of its own, stepped by a post-accumulate-grad hook as soon as the
+parameter's gradient is complete; the gradient is freed right after. No full set of gradients ever exists:
+at any moment of backward at most the gradients of the parameters whose backward is running are alive (the
+largest single one, e.g. the embedding, sets the floor). For full fine-tuning that removes 2 bytes
+(bf16-true) or 4 bytes (fp32 weights) per parameter from the peak.
+
+What is learned is the same as with the ordinary step when the window is one micro-batch and there is no
+clipping: the same optimizer on the same gradient, element by element (tested bit for bit). Trade-offs and
+what is refused:
+
+- No accumulation: a parameter is updated during the first micro-batch's backward, so a window must be one
+  micro-batch (``--micro-batch-size`` equal to the effective batch). Refused otherwise, in one line; the
+  planner says which effective batch would fit instead.
+- No clipping by the global norm: the norm is known only when every gradient exists. Refused unless
+  ``--max-grad-norm none``.
+- No fp16 GradScaler (its unscale and overflow check span all gradients together): use bf16-true, bf16 or
+  fp32.
+- The non-finite guard works per parameter: a gradient is checked (its norm, one reduction and one host read)
+  before its update, and a parameter whose gradient is not finite keeps its weights and state; the others are
+  updated. The step is reported as skipped with those parameters' names, and ``--max-nonfinite-steps`` still
+  stops a run that keeps producing them. On a GPU the host read is one synchronisation per parameter (not
+  measured here).
+- No out-of-memory recovery: an OOM inside backward can come after some parameters were updated, and
+  replaying the window would update them twice. The run stops with the last checkpoint as the place to
+  resume from (said before the run starts); plan with a margin.
+- One process only (no ``--distributed``), and not with ``--offload-optimizer``.
+
+Works with AdamW (fused, foreach or a loop), SGD, bitsandbytes' 8-bit AdamW and torch-optimi's Kahan AdamW
+(:mod:`memfit.techniques.bf16_true`): each parameter's optimizer is the run's optimizer over that one parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+BuildOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+"""Builds the run's optimizer over parameter groups (here: one parameter)."""
+
+
+def gradient_is_finite(grad: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """(whether ``grad`` holds only finite values, its L2 norm): one reduction, read on the host."""
+    norm = torch.linalg.vector_norm(grad).float()
+    return bool(torch.isfinite(norm)), norm
+
+
+def assume_finite_gradient(grad: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """For traces with fake tensors, which hold no values: the same tensors, the branch that updates."""
+    norm = torch.linalg.vector_norm(grad).float()
+    torch.isfinite(norm)
+    return True, norm
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """The run's optimizer, stepped per parameter inside backward. Its parameter groups are the model's, so
+    learning-rate schedules work on it as on any optimizer (each update takes its group's current values);
+    :meth:`step` has nothing left to do. ``state`` shows every parameter's state (the per-parameter
+    optimizers' own dictionaries), so checkpoints and the estimator read it as usual."""
+
+    def __init__(self, groups: list[dict[str, Any]], build: BuildOptimizer, *, lr: float) -> None:
+        super().__init__(groups, {"lr": lr})
+        self.check: Callable[[torch.Tensor], tuple[bool, torch.Tensor]] = gradient_is_finite
+        """How a gradient is checked before its update (the estimator sets :func:`assume_finite_gradient`)."""
+        self.per_parameter: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        self._group_of: dict[nn.Parameter, dict[str, Any]] = {}
+        self.skipped: list[nn.Parameter] = []
+        """Parameters whose gradient was not finite since :meth:`take_skipped` last ran."""
+        self.squared_norm: torch.Tensor | None = None
+        """The window's gradient norm, squared, summed as each gradient is checked (for logging)."""
+        for group in self.param_groups:
+            hyper = {key: value for key, value in group.items() if key != "params"}
+            for parameter in group["params"]:
+                inner = build([{**hyper, "params": [parameter]}])
+                self.per_parameter[parameter] = inner
+                self._group_of[parameter] = group
+                self.state[parameter] = inner.state[parameter]  # the same dictionary, filled by its first step
+                parameter.register_post_accumulate_grad_hook(self._step_parameter)
+        first = next(iter(self.per_parameter.values()))
+        self.defaults.update({key: value for key, value in first.defaults.items() if key in ("fused", "foreach")})
+
+    @torch.no_grad()
+    def _step_parameter(self, parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        if grad is None:
+            return
+        finite, norm = self.check(grad)
+        squared = norm.square()
+        self.squared_norm = squared if self.squared_norm is None else self.squared_norm + squared
+        if finite:
+            inner = self.per_parameter[parameter]  # type: ignore[index]
+            group = self._group_of[parameter]  # type: ignore[index]
+            inner.param_groups[0].update({key: value for key, value in group.items() if key != "params"})
+            inner.step()
+        else:
+            self.skipped.append(parameter)  # type: ignore[arg-type]
+        parameter.grad = None  # released: the next gradient may take its memory
+
+    def take_skipped(self) -> list[nn.Parameter]:
+        """The parameters left unchanged since the last call (their gradients were not finite)."""
+        skipped, self.skipped = self.skipped, []
+        return skipped
+
+    def take_norm(self) -> torch.Tensor:
+        """The global gradient norm of the window's updates (a device tensor; zero before any gradient)."""
+        squared, self.squared_norm = self.squared_norm, None
+        return torch.zeros(()) if squared is None else squared.sqrt()
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Nothing to do: every parameter was updated in backward."""
+        return closure() if closure is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
+        return {"groups": groups, "per_parameter": [inner.state_dict() for inner in self.per_parameter.values()]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for group, saved in zip(self.param_groups, state_dict["groups"], strict=True):
+            group.update(saved)
+        for (parameter, inner), saved in zip(self.per_parameter.items(), state_dict["per_parameter"], strict=True):
+            inner.load_state_dict(saved)
+            self.state[parameter] = inner.state[parameter]
