@@ -8,7 +8,8 @@
 #   1. the tests marked gpu (tests/gpu), then (on a GPU) the cuBLAS workspace probe;
 #   2. the estimator validation grid (predicted vs measured peak allocated/reserved per setup), BERT, ViT and
 #      two causal LMs (SmolLM2-360M, Llama-3.2-1B with its top 4 layers trained); then (on a GPU) the rows with
-#      activations offloaded to the host (--offload-activations; predicted vs measured host bytes too);
+#      activations offloaded to the host (--offload-activations; predicted vs measured host bytes too), and
+#      the rows with bf16-true weights and the optimizer step in backward (--grid lowmem);
 #   3. memfit bench on BERT-base at seq 128 (random init: memory and speed are real, accuracy is not a
 #      pretrained model's), capped to a GTX 1080 Ti's 11 GiB (memfit bench --device-profile 1080ti).
 # A big card capped at 11 GiB has the 1080 Ti's memory, not its speed: compare the memory columns with a
@@ -68,6 +69,8 @@ step validate_estimator 170 $PY benchmarks/validate_estimator.py "${GRID[@]}" \
     --json "$WORK/results/validate_estimator.json"
 [ $DRY_RUN = 1 ] || step validate_offload 60 $PY benchmarks/validate_estimator.py --grid activations \
     --memory-gib 11 --json "$WORK/results/validate_offload.json"
+[ $DRY_RUN = 1 ] || step validate_lowmem 60 $PY benchmarks/validate_estimator.py --grid lowmem \
+    --json "$WORK/results/validate_lowmem.json"
 step bench_data 15 $PY benchmarks/gpu_bench_data.py "$WORK" "$MODEL"
 step bench 220 $PY -m memfit bench --model "$WORK/$MODEL" --data "$WORK/long.csv" --max-length $SEQ \
     "${BENCH[@]}" --samples $SAMPLES --val-samples $VAL --speed-rounds 1 --speed-steps 4 \

@@ -1,7 +1,7 @@
 """Summarise a benchmarks/gpu_check.sh run: ``summary.md`` and ``summary.json`` in the output directory.
 
 Reads the run's work directory: ``steps.tsv`` (name, exit code, seconds per step), ``results/device.txt``,
-``results/validate_estimator.json`` and ``results/validate_offload.json`` (activation offload rows, with
+``results/validate_estimator.json``, ``results/validate_offload.json`` (activation offload rows, with
 their host bytes) and ``results/bench/bench.json``. Exits 1 when a step failed.
 
     python benchmarks/gpu_summary.py WORK_DIR OUT_DIR [--dry-run]
@@ -17,7 +17,7 @@ from typing import Any
 from memfit.report import format_bytes
 
 TIMED_OUT = (124, 137)
-VALIDATIONS = ("validate_estimator.json", "validate_offload.json")
+VALIDATIONS = ("validate_estimator.json", "validate_offload.json", "validate_lowmem.json")
 
 
 def steps(work: Path) -> list[dict[str, Any]]:

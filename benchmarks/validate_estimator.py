@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import platform
 import sys
@@ -58,6 +59,8 @@ class Case:
     lora_rank: int = 0
     offload_optimizer: bool = False
     offload_activations: bool = False
+    optimizer_in_backward: bool = False
+    kahan: bool | None = None
 
     @property
     def vision(self) -> bool:
@@ -68,7 +71,9 @@ class Case:
                            max_length=self.length if not self.vision else 128, precision=self.precision,
                            checkpointing=self.checkpointing, train_top_layers=self.train_top_layers,
                            lora_rank=self.lora_rank, offload_optimizer=self.offload_optimizer,
-                           offload_activations=self.offload_activations)
+                           offload_activations=self.offload_activations, kahan=self.kahan,
+                           optimizer_in_backward=self.optimizer_in_backward,
+                           max_grad_norm=None if self.optimizer_in_backward else 1.0)
 
     def shape(self) -> dict[str, Any]:
         return {"seq_len": None if self.vision else self.length, "image_size": self.length if self.vision else None}
@@ -89,6 +94,12 @@ def cuda_grid(name: str) -> list[Case]:
                                                                  offload_activations=True),
                 Case("bert-base", 8, 512, "fp16", "full", offload_activations=True),
                 Case("smollm2-360m", 4, 512, "bf16", "full", offload_activations=True)]
+    if name == "lowmem":  # 16-bit weights (torch's AdamW in bf16; Kahan needs torch-optimi), the step in backward
+        return [Case("smollm2-360m", 4, 512, "bf16-true", "full", kahan=False),
+                Case("smollm2-360m", 4, 512, "bf16-true", "full", kahan=False, optimizer_in_backward=True),
+                Case("qwen2.5-0.5b", 4, 512, "bf16-true", "full", kahan=False, optimizer_in_backward=True),
+                Case("smollm2-360m", 4, 512, "fp32", "full", optimizer_in_backward=True),
+                Case("smollm2-360m", 4, 512, "bf16-true", "full", kahan=True, optimizer_in_backward=True)]
     if name == "lora":  # LoRA r=16 on a 16-bit base (PEFT; QLoRA needs bitsandbytes on the card), and full
         # fine-tuning with the optimizer offloaded to the host
         return [Case("smollm2-360m", 4, 512, "bf16", "none", lora_rank=16),
@@ -134,7 +145,7 @@ def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[st
     trace = prepare_trace(config, device=profile, **case.shape())
     precision = Precision(trace.precision, device.type)
     model = build_with_techniques(trace.spec, config, label_names=["0", "1"], pad_token_id=0, task=trace.task,
-                                  low_dtype=precision.low_dtype)
+                                  low_dtype=precision.low_dtype, weights_dtype=precision.weights_dtype)
     model.train()
     if device.type == "cuda":
         model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
@@ -197,6 +208,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         model = f"{r['model']} LoRA r={r['lora_rank']}" if r.get("lora_rank") else r["model"]
         model += " (optimizer offloaded)" if r.get("offload_optimizer") else ""
+        model += " (step in backward)" if r.get("optimizer_in_backward") else ""
+        model += " (Kahan)" if r.get("kahan") else ""
         model += (f" (activations offloaded: host {cell(r.get('predicted_host_bytes'), True)} predicted, "
                   f"{cell(r.get('measured_host_bytes'), True)} measured)" if r.get("offload_activations") else "")
         lines.append(f"| {model} | {r['batch']} | {r['length']} | {r['precision']} | {r['checkpointing']} | "
@@ -209,10 +222,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grid", choices=("tiny", "small", "full", "lora", "activations"), default="small",
+    parser.add_argument("--grid", choices=("tiny", "small", "full", "lora", "activations", "lowmem"),
+                        default="small",
                         help="the CUDA setups; tiny: none (a dry run measures only its CPU grid); lora: LoRA r=16 "
                              "on four LLMs, and two with the optimizer offloaded; activations: saved "
-                             "activations offloaded to the host [small]")
+                             "activations offloaded to the host; lowmem: bf16-true weights and the optimizer "
+                             "step in backward [small]")
     parser.add_argument("--dry-run", action="store_true", help="no CUDA: measure on CPU, predict the CUDA grid")
     parser.add_argument("--device", default="1080ti", help="profile predicted in a dry run [1080ti]")
     parser.add_argument("--memory-gib", type=float, help="cap this process's CUDA memory (e.g. 11 for a 1080 Ti)")
@@ -226,7 +241,8 @@ def main() -> int:
         for earlier in json.loads(Path(args.measured).read_text())["rows"]:
             case = Case(earlier["model"], earlier["batch"], earlier["length"], earlier["precision"],
                         earlier["checkpointing"], earlier.get("train_top_layers"), earlier.get("lora_rank", 0),
-                        earlier.get("offload_optimizer", False), earlier.get("offload_activations", False))
+                        earlier.get("offload_optimizer", False), earlier.get("offload_activations", False),
+                        earlier.get("optimizer_in_backward", False), earlier.get("kahan"))
             measured = {"allocated": earlier["measured_allocated_bytes"],
                         "reserved": earlier["measured_reserved_bytes"], "host": earlier.get("measured_host_bytes")}
             rows.append(row(case, target, measured if isinstance(measured["allocated"], int) else None))
@@ -237,7 +253,7 @@ def main() -> int:
                 rows.append(row(case, cpu, measure(case, cpu, torch.device("cpu"))))
         target = resolve_profile(args.device)
         rows.extend(row(case, target, None) for case in cuda_grid(args.grid)
-                    if target.has_native_bf16 or case.precision != "bf16")
+                    if target.has_native_bf16 or not case.precision.startswith("bf16"))
     else:
         if not torch.cuda.is_available():
             sys.stderr.write("validate_estimator: no CUDA device; use --dry-run on this machine\n")
@@ -249,7 +265,10 @@ def main() -> int:
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory / (device.total_memory_bytes or memory)))
         profile = profile_for(device, memory_bytes=memory)
         for case in cuda_grid(args.grid):
-            if case.precision == "bf16" and not profile.has_native_bf16:
+            if case.precision.startswith("bf16") and not profile.has_native_bf16:
+                continue
+            if case.kahan and importlib.util.find_spec("optimi") is None:
+                print(f"skipped {case}: torch-optimi is not installed", flush=True)
                 continue
             try:
                 rows.append(row(case, profile, measure(case, profile, torch.device("cuda"))))

@@ -169,6 +169,16 @@ CASES: dict[str, tuple[Setup, str]] = {
                           "not a GPU profile"),
     "bench-unknown-setup": (lambda w: ["bench", "--model", str(w / "bert"), "--setups", "fp8"],
                             "invalid choice: 'fp8'"),
+    # --- low-memory full fine-tuning ---
+    "bf16-true-without-bf16": (lambda w: ["estimate", "--model", str(w / "bert"), "--device", "1080ti",
+                                          "--precision", "bf16-true"], "has no native bf16"),
+    "kahan-without-bf16-true": (lambda w: base(w, "--kahan"), "--kahan compensates the rounding of bf16 weights"),
+    "in-backward-with-clipping": (lambda w: base(w, "--optimizer-in-backward"), "add --max-grad-norm none"),
+    "in-backward-with-accumulation": (lambda w: base(w, "--optimizer-in-backward", "--max-grad-norm", "none",
+                                                     "--micro-batch-size", "8"),
+                                      "gradients cannot accumulate over 4 micro-batches"),
+    "offload-activations-on-cpu": (lambda w: base(w, "--offload-activations", "--device", "cpu"),
+                                   "--offload-activations moves saved activations from a CUDA card"),
     # --- more than one GPU ---
     "cpu-offload-without-fsdp": (lambda w: base(w, "--cpu-offload"), "--cpu-offload offloads FSDP shards"),
     "estimate-ranks-without-strategy": (lambda w: ["estimate", "--model", str(w / "bert"), "--world-size", "2"],

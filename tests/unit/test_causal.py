@@ -16,7 +16,7 @@ from memfit.build import prepare, resolve_task
 from memfit.data import Columns, load_examples
 from memfit.data.batches import CausalEncoder, pad
 from memfit.errors import DataError
-from memfit.memory.estimate import estimate
+from memfit.memory.estimate import Estimate, estimate
 from memfit.models import LLM_PRESET_CONFIGS, resolve_model
 from tests.conftest import write_model_dir, write_pairs, write_tiny_llm
 
@@ -181,5 +181,23 @@ def test_a_chunked_loss_is_the_same_loss_and_gradients_in_less_memory(tmp_path: 
     chunked_config = TrainConfig(**{**plain_config.to_dict(), "loss_chunk": 64})
     plain_peak, chunked = estimate(plain_config), estimate(chunked_config)
     assert chunked.peak_bytes == estimate(chunked_config, execute=True).peak_bytes
-    assert chunked.breakdown["logits_and_loss"] < plain_peak.breakdown["logits_and_loss"] / 2
-    assert chunked.peak_bytes < plain_peak.peak_bytes
+    def loss_side(result: Estimate) -> int:  # the logits, their fp32 copy and log-softmax, their gradient
+        return result.breakdown["logits_and_loss"] + result.breakdown["temporaries"]
+
+    assert loss_side(chunked) < loss_side(plain_peak) / 2
+    assert chunked.peak_bytes < plain_peak.peak_bytes / 2  # the output layer runs per chunk: no whole logits
+
+
+def test_the_output_layer_runs_per_chunk_only_where_the_logits_are_its_plain_product(tmp_path: Path) -> None:
+    from memfit.techniques.chunked_loss import plain_head
+
+    def built(**extra: object) -> torch.nn.Module:
+        config = {**FAMILIES["llama"], **extra}
+        return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{
+            key: value for key, value in config.items() if key not in ("model_type", "architectures")}))
+
+    model = built()
+    assert plain_head(model) == (model.model, model.lm_head)
+    capped = built()
+    capped.config.final_logit_softcapping = 30.0  # Gemma-2's soft-capped logits: the whole logits, as before
+    assert plain_head(capped) is None

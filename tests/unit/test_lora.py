@@ -221,3 +221,7 @@ def test_a_paged_optimizer_keeps_its_big_states_out_of_the_cards_allocator(tmp_p
     paged = estimate(causal(model, optimizer="paged-adamw8bit", precision="fp16"), device="1080ti")
     big = [p.numel() for p in build(config, low_dtype=None).parameters() if p.numel() >= 100_000]
     assert big and plain.peak_bytes - paged.peak_bytes == 2 * sum(big)
+    assert paged.host_breakdown["paged_optimizer"] == 2 * sum(big)  # unified memory, backed by the host
+    released = estimate(causal(model, optimizer="paged-adamw8bit", precision="fp32", optimizer_in_backward=True,
+                               max_grad_norm=None, micro_batch_size=None), device="1080ti")
+    assert released.host_breakdown["paged_optimizer"] == 2 * sum(big)  # the same with a step per parameter

@@ -63,7 +63,7 @@ from memfit.techniques.stability import assume_finite, read_values
 
 CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients", "optimizer_state",
               "kahan_compensation", "activations", "logits_and_loss", "temporaries", "inputs", "workspaces")
-HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations")
+HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations", "paged_optimizer")
 """What holds host memory in a step (:attr:`Estimate.host_breakdown`)."""
 SCALER_TENSORS = 4
 
@@ -334,6 +334,10 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
         offload.host_context = functools.partial(tracker.elsewhere, "offloaded_activations")
     if isinstance(optimizer, InBackwardOptimizer) and read is assume_finite:
         optimizer.check = assume_finite_gradient  # fake gradients hold no values to check
+    if tracker is not None:  # a paged optimizer's big states: CUDA unified memory, which pages to the host
+        for each in optimizer.per_parameter.values() if isinstance(optimizer, InBackwardOptimizer) else [optimizer]:
+            if hasattr(each, "paged_context"):
+                each.paged_context = functools.partial(tracker.elsewhere, "paged_optimizer")
     scheduler = build_scheduler(optimizer, total_steps=len(windows), warmup_ratio=config.warmup_ratio)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
@@ -369,9 +373,7 @@ def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimi
     tracker.relabel([value for key, value in state if key == KAHAN_STATE], "kahan_compensation")
     if host_step_counters:
         tracker.forget([value for key, value in state if key == "step"])
-        # a paged optimizer's big states live in CUDA unified memory, outside the caching allocator, which
-        # the driver pages out to the host when the card runs short: not part of the allocator's peak
-        tracker.forget(list(getattr(optimizer, "paged_states", ())))
+        # (a paged optimizer's big states were made outside the card's count: see run_steps)
 
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024

@@ -98,7 +98,8 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
         Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile, kahan=kahan(p)),
                optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base,
                kahan=kahan(p), optimizer_in_backward=base.optimizer_in_backward,
-               offload_optimizer=base.offload_optimizer)
+               offload_optimizer=base.offload_optimizer, offload_activations=base.offload_activations,
+               packing=base.packing)
         for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
     search.search(neutral)
     chosen = search.best(confirmed=True)
@@ -208,7 +209,7 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
         quantized = "nf4" if technique == "qlora" else "none"
         families = with_chunked_loss([
             Family(precision=p, checkpointing=c, kernels=default_kernels(o, "none", profile), optimizer=o,
-                   lora_rank=rank, quantize_base=quantized)
+                   lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
         need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1],
                                                           kernels=default_kernels(optimizers[-1], "none", profile)), 1)

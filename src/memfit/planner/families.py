@@ -47,6 +47,10 @@ class Family:
     """Each parameter updated in backward, its gradient freed: one micro-batch per window, no clipping."""
     drops_clipping: bool = False
     """The step in backward where the run clips by the global norm: the clipping is dropped (an opt-in)."""
+    offload_activations: bool = False
+    """Saved activations on the host (one CUDA card): the same step, PCIe traffic in forward and backward."""
+    packing: bool = False
+    """The run's causal-LM examples packed into full rows (the run's setting, not the plan's choice)."""
 
     @property
     def ranks(self) -> bool:
@@ -65,18 +69,23 @@ class Family:
 
     @property
     def accuracy_neutral(self) -> bool:
-        return self.freeze == "none" and self.optimizer != "adamw8bit" and not self.lora_rank and \
+        return self.freeze == "none" and "8bit" not in self.optimizer and not self.lora_rank and \
             self.precision != "bf16-true" and not self.drops_clipping
+
+    @property
+    def paged(self) -> bool:
+        """8-bit states in CUDA unified memory, paged to the host when the card runs short."""
+        return self.optimizer == "paged-adamw8bit"
 
     @property
     def opt_ins(self) -> tuple[str, ...]:
         """The planner flags this family needs (none when it is always allowed)."""
         flags = [f"--allow-{self.technique}"] if self.lora_rank else []
         flags += ["--allow-freeze"] if self.freeze != "none" else []
-        flags += ["--allow-8bit-optimizer"] if self.optimizer == "adamw8bit" and not self.lora_rank else []
+        flags += ["--allow-8bit-optimizer"] if "8bit" in self.optimizer and not self.lora_rank else []
         flags += ["--allow-bf16-true"] if self.precision == "bf16-true" else []
         flags += ["--allow-optimizer-in-backward"] if self.optimizer_in_backward else []
-        flags += ["--allow-offload"] if self.offload_optimizer else []
+        flags += ["--allow-offload"] if self.offload_optimizer or self.offload_activations or self.paged else []
         return tuple(flags)
 
     @property
@@ -86,7 +95,7 @@ class Family:
 
     @property
     def optimizer_label(self) -> str:
-        name = "adamw8bit" if self.optimizer == "adamw8bit" else f"{self.optimizer}-{self.kernels}"
+        name = self.optimizer if "8bit" in self.optimizer else f"{self.optimizer}-{self.kernels}"
         return name + ("-kahan" if self.kahan else "") + (" in backward" if self.optimizer_in_backward else "")
 
     def configure(self, base: TrainConfig, *, micro_batch_size: int, effective_batch: int) -> TrainConfig:
@@ -105,7 +114,7 @@ class Family:
             lora_rank=self.lora_rank, quantize_base=self.quantize_base, offload_optimizer=self.offload_optimizer,
             loss_chunk=self.loss_chunk if self.loss_chunk is not None else base.loss_chunk,
             kahan=self.kahan if self.precision == "bf16-true" else None,
-            optimizer_in_backward=self.optimizer_in_backward,
+            optimizer_in_backward=self.optimizer_in_backward, offload_activations=self.offload_activations,
             max_grad_norm=None if self.optimizer_in_backward else base.max_grad_norm)
 
 
@@ -144,7 +153,8 @@ class Candidate:
                 "offload_optimizer": self.family.offload_optimizer, "loss_chunk": self.family.loss_chunk,
                 "weights_precision": "bf16" if self.family.precision == "bf16-true" else "fp32",
                 "kahan": self.family.kahan, "optimizer_in_backward": self.family.optimizer_in_backward,
-                "drops_clipping": self.family.drops_clipping,
+                "drops_clipping": self.family.drops_clipping, "offload_activations": self.family.offload_activations,
+                "packing": self.family.packing,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -158,6 +168,8 @@ class Candidate:
         per_rank = " per rank" if self.family.ranks else ""
         adapters = f", {self.family.technique_label}" if self.family.lora_rank else ""
         host = " on the host" if self.family.offload_optimizer else ""
+        host += ", activations on the host" if self.family.offload_activations else ""
+        host += " (clipping dropped)" if self.family.drops_clipping else ""
         chunks = f", loss in chunks of {self.family.loss_chunk}" if self.family.loss_chunk else ""
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
                 f"{self.family.precision}, checkpointing {self.family.checkpointing}{chunks}, "
@@ -170,7 +182,8 @@ def with_chunked_loss(families: list[Family], base: TrainConfig, task: str) -> l
     logits of the whole sequence are often what is left."""
     if task != "causal-lm" or base.loss_chunk is not None:
         return families
-    chunked = [dataclasses.replace(f, loss_chunk=LOSS_CHUNK) for f in families if f.checkpointing == "full"]
+    chunked = [dataclasses.replace(f, loss_chunk=LOSS_CHUNK) for f in families
+               if f.checkpointing == "full" and f.loss_chunk is None]
     return [*families, *chunked]
 
 

@@ -4,15 +4,19 @@ The order (the first that fits and is allowed wins; each says what it needs at l
 
 1. the optimizer step inside backward, where the run does not clip (it changes nothing learned then);
 2. the optimizer on the host (one CUDA card; the same update, slower steps);
-3. the optimizer step inside backward where the run clips by the global norm (clipping dropped);
-4. 16-bit weights with Kahan-summed updates (``bf16-true``, a card with bf16);
-5. 8-bit AdamW states;
-6. freezing: the embeddings, then all but the top half, then all but the top quarter of the layers.
+3. the saved activations on the host (one CUDA card; the same step, PCIe traffic);
+4. the optimizer step inside backward where the run clips by the global norm (clipping dropped);
+5. 16-bit weights with Kahan-summed updates (``bf16-true``, a card with bf16);
+6. 8-bit AdamW states;
+7. the same states paged (bitsandbytes' paged AdamW: CUDA unified memory, which the driver pages out to the host
+   when the card runs short; the allocator does not count it, so neither does the card's peak);
+8. freezing: the embeddings, then all but the top half, then all but the top quarter of the layers.
 
-1, 3, 4 and 5 build on each other when allowed, as the fine-tuning recipes that fit 8B models on one 24 GB
-card stack them (16-bit weights, the step in backward, 8-bit states); the host optimizer and freezing are tried
-alone on top of those. A step in backward cannot accumulate: its setups compute the whole window in one
-micro-batch, and when only a smaller window would fit, the advice says which effective batch does.
+(1 and 4 are one technique, placed by whether the run clips.) 1, 3 to 7 build on each other when allowed, as
+the fine-tuning recipes that fit 8B models on one 24 GB card stack them (16-bit weights, the step in backward,
+8-bit states, activations on the host); the host optimizer and freezing are tried alone on top of those. A
+step in backward cannot accumulate: its setups compute the whole window in one micro-batch, and when only a
+smaller window would fit, the advice says which effective batch does.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from memfit.devices import DeviceProfile
 from memfit.planner.allowed import Allowed
-from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels
+from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, with_chunked_loss
 from memfit.planner.search import Search
 from memfit.report import format_bytes
 from memfit.techniques.optim import optimizer_problems
@@ -40,6 +44,9 @@ class Stage:
     change: Change
     builds: bool = True
     """Later stages build on this one when it is allowed (else each is tried alone)."""
+    beside: bool = False
+    """Its setups join the ones before instead of replacing them (the step in backward, which cannot
+    accumulate: the setups that can stay tried beside it)."""
 
 
 def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
@@ -58,6 +65,11 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
             return None
         return dataclasses.replace(family, offload_optimizer=True)
 
+    def offload_activations(family: Family) -> Family | None:
+        if profile.kind != "cuda" or family.ranks or family.offload_activations:
+            return None
+        return dataclasses.replace(family, offload_activations=True)
+
     def bf16_true(family: Family) -> Family | None:
         if not profile.has_native_bf16 or family.ranks or family.offload_optimizer:
             return None
@@ -65,18 +77,24 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         return dataclasses.replace(family, precision="bf16-true", kahan=kahan,
                                    kernels=default_kernels(family.optimizer, family.strategy, profile, kahan=kahan))
 
-    def eight_bit(family: Family) -> Family | None:
-        if family.offload_optimizer:
+    def eight_bit(family: Family, optimizer: str = "adamw8bit") -> Family | None:
+        if family.offload_optimizer or (optimizer.startswith("paged") and profile.kind != "cuda"):
             return None
-        return dataclasses.replace(family, optimizer="adamw8bit", kahan=False,
-                                   kernels=default_kernels("adamw8bit", family.strategy, profile))
+        return dataclasses.replace(family, optimizer=optimizer, kahan=False,
+                                   kernels=default_kernels(optimizer, family.strategy, profile))
 
-    neutral_in_backward = Stage("--allow-optimizer-in-backward", allow.optimizer_in_backward, in_backward)
-    order = [neutral_in_backward, Stage("--allow-offload", allow.offload, offload, builds=False)]
-    order = order if not clips else order[::-1]
+    def paged(family: Family) -> Family | None:
+        return eight_bit(family, "paged-adamw8bit")
+
+    step_in_backward = Stage("--allow-optimizer-in-backward", allow.optimizer_in_backward, in_backward, beside=True)
+    order = [Stage("--allow-offload", allow.offload, offload, builds=False),
+             Stage("--allow-offload (activations)", allow.offload, offload_activations)]
+    order = [*order, step_in_backward] if clips else [step_in_backward, *order]
     order.append(Stage("--allow-bf16-true", allow.bf16_true, bf16_true))
     if not optimizer_problems("adamw8bit") and not bitsandbytes_problem(profile):
         order.append(Stage("--allow-8bit-optimizer", allow.eight_bit_optimizer, eight_bit))
+        order.append(Stage("--allow-8bit-optimizer and --allow-offload (paged states)",
+                           allow.eight_bit_optimizer and allow.offload, paged))
     for freeze in dict.fromkeys(["embeddings", f"top-{max(1, num_layers // 2)}", f"top-{max(1, num_layers // 4)}"]):
         order.append(Stage(f"--allow-freeze ({freeze})", allow.freeze, _freezing(freeze), builds=False))
     return order
@@ -100,11 +118,12 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
         changed = [family for family in map(stage.change, bases) if family is not None]
         if not changed:
             continue
-        families = [dataclasses.replace(family, checkpointing=c) for family in changed for c in CHECKPOINTING]
+        families = with_chunked_loss([dataclasses.replace(family, checkpointing=c) for family in changed
+                                      for c in CHECKPOINTING], search.base, task)
         try:
             fits, line = _need(search, stage.flag, families)
         except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest
-            if not any(family.optimizer == "adamw8bit" for family in changed):
+            if not any("8bit" in family.optimizer for family in changed):
                 raise
             advice.append(f"{stage.flag} could not be traced ({type(error).__name__}); it is not planned")
             continue
@@ -114,8 +133,8 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
             chosen = search.best(confirmed=True, where=lambda family: allow.permits(family.opt_ins))
             if chosen is not None:
                 return chosen, advice
-        if stage.allowed and stage.builds:  # the step in backward keeps the accumulating setups beside it
-            bases = [*bases, *changed] if stage.flag == "--allow-optimizer-in-backward" else changed
+        if stage.allowed and stage.builds:
+            bases = [*bases, *changed] if stage.beside else changed
     if optimizer_problems("adamw8bit"):
         advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install 'memfit[lora]') to be planned")
     elif problem := bitsandbytes_problem(search.profile):

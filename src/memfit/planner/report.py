@@ -117,7 +117,8 @@ class Plan:
             warnings.warn("the plan updates each parameter inside backward (memfit --optimizer-in-backward), which "
                           "Trainer does not do: its full set of gradients needs more memory than the plan's peak; "
                           "train with memfit to keep it", stacklevel=2)
-        optim = {"adamw8bit": "adamw_bnb_8bit", "sgd": "sgd"}.get(family.optimizer) or (
+        optim = {"adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
+                 "sgd": "sgd"}.get(family.optimizer) or (
             "adamw_torch" if family.kernels == "foreach" else "adamw_torch_fused")
         config = from_mapping(self.config)
         arguments: dict[str, Any] = {

@@ -47,7 +47,8 @@ def extrapolate(shallow: Estimate, deeper: Estimate, depths: tuple[int, int], la
         dequantized_bytes=None if shallow.dequantized_bytes is None or deeper.dequantized_bytes is None
         else at(shallow.dequantized_bytes, deeper.dequantized_bytes),
         trainable_parameters=at(shallow.trainable_parameters, deeper.trainable_parameters),
-        parameters=at(shallow.parameters, deeper.parameters))
+        parameters=at(shallow.parameters, deeper.parameters), host_bytes=at(shallow.host_bytes, deeper.host_bytes),
+        host_breakdown=each(shallow.host_breakdown, deeper.host_breakdown))
 
 
 def micro_batch_sizes(effective_batch: int) -> list[int]:
@@ -179,7 +180,8 @@ class Search:
             peak, allocated = peak + extra, allocated + extra
         seconds = step_seconds(self.costs[family], self.profile, family.precision,
                                effective_batch=self.effective, accumulation_steps=steps, strategy=family.strategy,
-                               world_size=self.world_size, offload=family.offload_optimizer, kahan=family.kahan)
+                               world_size=self.world_size, offload=family.offload_optimizer, kahan=family.kahan,
+                               paged=family.paged)
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
@@ -205,9 +207,10 @@ class Search:
         rank = CHECKPOINTING.index(family.checkpointing)
         known = [(other, cost) for other, cost in self.costs.items()
                  if (other.freeze, other.optimizer, other.lora_rank, other.quantize_base, other.offload_optimizer,
-                     other.optimizer_in_backward, other.kahan)
+                     other.optimizer_in_backward, other.kahan, other.offload_activations)
                  == (family.freeze, family.optimizer, family.lora_rank, family.quantize_base,
-                     family.offload_optimizer, family.optimizer_in_backward, family.kahan)
+                     family.offload_optimizer, family.optimizer_in_backward, family.kahan,
+                     family.offload_activations)
                  and CHECKPOINTING.index(other.checkpointing) <= rank
                  and other.loss_chunk in (None, family.loss_chunk)  # chunking only adds work
                  and other.strategy in (family.strategy, "none", "ddp")]  # a replica's step: the least ops
@@ -222,7 +225,7 @@ class Search:
                          trainable_parameters=trainable, parameters=parameters)
         return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
                             accumulation_steps=1, strategy=family.strategy, world_size=self.world_size,
-                            offload=family.offload_optimizer, kahan=family.kahan)
+                            offload=family.offload_optimizer, kahan=family.kahan, paged=family.paged)
 
     def best(self, *, confirmed: bool, where: Callable[[Family], bool] | None = None) -> Candidate | None:
         """The fastest fitting setup (``confirmed``: traced exactly; ``where``: of the families it accepts)."""

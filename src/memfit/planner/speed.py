@@ -33,6 +33,8 @@ class StepCost:
     parameters: int = 0
     dequantized_bytes_per_micro_step: float = 0.0
     """QLoRA: bytes read and written to dequantise the 4-bit weights in one forward and backward."""
+    offloaded_bytes_per_micro_step: float = 0.0
+    """``--offload-activations``: the saved activations one micro-step moves to the host (and back)."""
 
     @classmethod
     def of(cls, trace: Estimate) -> StepCost:
@@ -43,24 +45,30 @@ class StepCost:
                    ops_per_micro_step=(ops.get("forward", 0) + ops.get("backward", 0)) / micro_steps,
                    ops_per_optimizer_step=ops.get("optimizer", 0) / STEPS,
                    trainable_parameters=trace.trainable_parameters, parameters=trace.parameters,
-                   dequantized_bytes_per_micro_step=(trace.dequantized_bytes or 0) / micro_steps)
+                   dequantized_bytes_per_micro_step=(trace.dequantized_bytes or 0) / micro_steps,
+                   offloaded_bytes_per_micro_step=trace.host_breakdown.get("offloaded_activations", 0))
 
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
                  accumulation_steps: int, strategy: str = "none", world_size: int = 1,
-                 offload: bool = False, kahan: bool = False) -> float:
+                 offload: bool = False, kahan: bool = False, paged: bool = False) -> float:
     """The cost model's time of one optimizer step of one rank (see the module docstring);
     ``effective_batch`` is the samples this rank computes; ``offload``: the optimizer's step on the host;
-    ``kahan``: bf16 weights' compensated update."""
+    ``kahan``: bf16 weights' compensated update; ``paged``: 8-bit states paged through the host (taken as
+    paged in and out once per step: the card is short, or the plan would not need them paged)."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
     step_bytes = BYTES_PER_TRAINED_PARAMETER // 2 if precision == "bf16-true" else BYTES_PER_TRAINED_PARAMETER
     step_bytes += KAHAN_BYTES_PER_TRAINED_PARAMETER if kahan else 0
     optimizer = cost.trainable_parameters * step_bytes / profile.memory_bandwidth
+    if paged:  # two 1-byte states per parameter, in and out over the host link
+        optimizer += cost.trainable_parameters * 4 / profile.host_bandwidth
     if offload:  # fp32 gradients to the host and weights back over PCIe, the update at host memory speed
         optimizer = cost.trainable_parameters * (2 * 4 / profile.host_bandwidth
                                                  + BYTES_PER_TRAINED_PARAMETER / HOST_MEMORY_BANDWIDTH)
     traffic = optimizer + accumulation_steps * cost.dequantized_bytes_per_micro_step / profile.memory_bandwidth
+    # offloaded activations cross the host link twice (out in forward, back in backward), not overlapped
+    traffic += accumulation_steps * 2 * cost.offloaded_bytes_per_micro_step / profile.host_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
     share = (world_size - 1) / world_size

@@ -1,13 +1,20 @@
-"""Chunked loss for causal LMs: the cross-entropy over slices of the token positions, each slice's fp32
-logits and log-softmax recomputed in backward instead of kept (``--loss-chunk N``).
+"""Chunked loss for causal LMs: the output layer and the cross-entropy over slices of the token positions,
+each slice's logits recomputed in backward instead of kept (``--loss-chunk N``).
 
-Trade-off. A causal LM's loss keeps, for every position of the micro-batch, a fp32 copy of the logits (under
-bf16/fp16 autocast) and the log-softmax the backward needs: ``2 x positions x vocabulary x 4`` bytes. At
-Llama-3's 128k vocabulary that is 1 GiB per 1,024 positions, often the peak of the whole step. Chunked, the
-step keeps only the model's own logits; the backward recomputes one chunk's fp32 copy and log-softmax at a time
-(one more log-softmax pass over the logits: no matmul is repeated, since the logits themselves are kept).
-Memory: about ``2 x chunk x vocabulary x 4`` bytes instead of the whole. The loss and the gradients are the
-same sums in another grouping: equal up to float rounding, not bit for bit.
+Trade-off. A causal LM's loss keeps, for every position of the micro-batch, the logits (16-bit under
+autocast), a fp32 copy of them and the log-softmax the backward needs, and its backward makes the logits'
+gradient: at Llama-3's 128k vocabulary about 2.5 GiB per 1,024 positions with bf16 autocast, often the peak of
+the whole step. Chunked, the step keeps only the last hidden state (``positions x hidden``); the output layer
+runs on one chunk of positions at a time, in forward and again in backward, so a chunk's logits, their fp32
+copy, log-softmax and gradient are all that exist at once: about ``chunk x vocabulary x 12`` bytes. The price
+is one more matmul of the output layer (recomputed in backward: about 1/(3 x layers) more FLOPs for a
+decoder) and one more log-softmax pass. The loss and the gradients are the same sums in another grouping:
+equal up to float rounding, not bit for bit.
+
+The output layer is chunked where the model's logits are exactly its output layer applied to its base model's
+last hidden state (a plain ``nn.Linear`` head with no logit scaling or soft-capping, in one process). Other
+models (soft-capped Gemma-2 logits, scaled logits, a head wrapped by PEFT, a sharded or replicated run) keep
+their whole logits and chunk only the fp32 copy and the log-softmax.
 """
 
 from __future__ import annotations
@@ -22,12 +29,26 @@ from memfit.data.batches import Batch
 IGNORE_INDEX = -100
 
 
+LOGIT_SCALING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config fields of architectures whose logits are not the output layer's plain product."""
+
+
 def chunked_loss_sum(model: nn.Module, batch: Batch, *, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy in fp32, logits), as :func:`memfit.step.loss_sum`, over chunks of ``chunk``
-    token positions; sequence-level labels (classification) take the plain path."""
+    """(summed cross-entropy in fp32, the logits or, where the output layer runs per chunk, the last hidden
+    state), as :func:`memfit.step.loss_sum`, over chunks of ``chunk`` token positions; sequence-level labels
+    (classification) take the plain path."""
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
-    logits = model(**inputs).logits  # (B, S, V)
     labels = batch["labels"]
+    parts = plain_head(model) if labels.dim() == 2 else None
+    if parts is not None:
+        decoder, head = parts
+        hidden = decoder(**inputs).last_hidden_state  # (B, S, H)
+        total = torch.zeros((), device=hidden.device)
+        rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (B * S, H), a view
+        for piece, target in zip(rows.split(chunk), targets.split(chunk), strict=True):
+            total = total + checkpoint(_head_cross_entropy, head, piece, target, use_reentrant=False)
+        return total, hidden
+    logits = model(**inputs).logits  # (B, S, V)
     if labels.dim() != 2:  # sequence-level labels: nothing to chunk
         return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX), logits
     positions = logits.reshape(-1, logits.shape[-1])  # (B * S, V), a view
@@ -40,3 +61,23 @@ def chunked_loss_sum(model: nn.Module, batch: Batch, *, chunk: int) -> tuple[tor
 
 def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def _head_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(the base model, the output layer) where the logits are the output layer of the base model's last hidden
+    state and nothing else, else ``None`` (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT: the model
+    if isinstance(inner, FSDPModule) or not hasattr(inner, "get_output_embeddings"):
+        return None  # a sharded (or wrapped) model runs its own forward: its root gathers the head
+    head, decoder = inner.get_output_embeddings(), getattr(inner, "base_model", None)
+    config = getattr(inner, "config", None)
+    scaled = any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_SCALING)
+    if type(head) is not nn.Linear or not isinstance(decoder, nn.Module) or decoder is inner or scaled:
+        return None
+    return decoder, head

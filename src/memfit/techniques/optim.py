@@ -20,8 +20,10 @@ once per optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,6 +156,8 @@ def _adamw8bit(groups: list[dict[str, Any]], *, lr: float, paged: bool) -> torch
 
     class AdamW8bit(base):  # type: ignore[misc,valid-type]
         paged_states: tuple[torch.Tensor, ...] = ()
+        paged_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        """Wraps the making of a paged state in a trace: the estimator counts it as host-backed memory."""
 
         def fill_qmap(self) -> None:
             with _disable_current_modes():
@@ -165,9 +169,11 @@ def _adamw8bit(groups: list[dict[str, Any]], *, lr: float, paged: bool) -> torch
             if p.device.type != "cpu" or not self.is_paged:
                 return super().get_state_buffer(p, dtype=dtype)
             # a trace for a CUDA target (a run on CPU is refused): the buffer CUDA would page, noted as such
-            buffer = torch.zeros_like(p, dtype=dtype)
-            if p.numel() >= PAGED_MIN_ELEMENTS:
-                self.paged_states = (*self.paged_states, buffer)
+            if p.numel() < PAGED_MIN_ELEMENTS:
+                return torch.zeros_like(p, dtype=dtype)
+            with self.paged_context():  # unified memory, outside the card's allocator
+                buffer = torch.zeros_like(p, dtype=dtype)
+            self.paged_states = (*self.paged_states, buffer)
             return buffer
 
     optimizer: torch.optim.Optimizer = AdamW8bit(groups, lr=lr)

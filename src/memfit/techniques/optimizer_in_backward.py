@@ -100,6 +100,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self.skipped.append(parameter)  # type: ignore[arg-type]
         parameter.grad = None  # released: the next gradient may take its memory
 
+    @property
+    def paged_states(self) -> tuple[torch.Tensor, ...]:
+        """The per-parameter optimizers' states in CUDA unified memory (a paged 8-bit AdamW's)."""
+        return tuple(state for inner in self.per_parameter.values() for state in getattr(inner, "paged_states", ()))
+
     def take_skipped(self) -> list[nn.Parameter]:
         """The parameters left unchanged since the last call (their gradients were not finite)."""
         skipped, self.skipped = self.skipped, []
