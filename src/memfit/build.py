@@ -93,7 +93,7 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
                                                       device.kind if device is not None else None))
     spec = problems.collect(lambda: resolve_model(config.model, log=log))
     task = resolve_task(config, spec)
-    problems.lines.extend(packing_problems(config.packing, task))
+    problems.lines.extend(packing_problems(config.packing, task, spec.hf_config if spec is not None else None))
     data_problems = Problems()
     examples = data_problems.collect(lambda: datasets.load_examples(config.data, columns=config.columns, task=task))
     tokenizer = None
@@ -224,9 +224,9 @@ def build_optimizer_for(model: nn.Module, config: TrainConfig, *,
     unset (a trace on CPU for a CUDA target must pick what torch would pick on the card)."""
     foreach, fused = step_kernels(config.optimizer, foreach=config.foreach, fused=config.fused,
                                   distributed=config.distributed != "none")
-    if foreach is None and not fused:
-        foreach = foreach_default
     kahan = uses_kahan(config.kahan, precision=config.precision, optimizer=config.optimizer)
+    if foreach is None and not fused and not kahan:  # torch-optimi's own default is memfit's: the loop
+        foreach = foreach_default
     return build_optimizer(model, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
                            momentum=config.momentum, foreach=foreach, fused=fused and not kahan,
                            offload=config.offload_optimizer, kahan=kahan,

@@ -20,6 +20,7 @@ from memfit.errors import CheckpointError, Interrupted
 from memfit.planner import Plan
 from memfit.run import Run
 from memfit.run_state import RunState
+from memfit.techniques.bf16_true import uses_kahan
 from memfit.windows import PartialWindow
 
 
@@ -83,6 +84,28 @@ def stopped(run: Run, path: Path) -> Interrupted:
     where = f", micro-step {done} of its window" if done else ""
     return Interrupted(f"{run.stop.name} after step {run.state.position.step}{where}: checkpoint saved to {path}; "
                        "continue with the same command plus --resume", signal_number=run.stop.received or 0)
+
+
+OPTIMIZER_SETUP = ("optimizer", "optimizer_in_backward", "offload_optimizer", "kahan", "precision")
+"""Options that decide the layout of the optimizer's saved state."""
+
+
+def check_optimizer_setup(checkpoint: checkpoints.Checkpoint, config: TrainConfig) -> None:
+    """A checkpoint's optimizer state loads only into the optimizer setup that saved it: refuse another one
+    before anything is written (``auto`` precision and an unset ``kahan`` compare as resolved)."""
+    def setup(values: dict[str, Any]) -> dict[str, Any]:
+        chosen = {name: values.get(name) for name in OPTIMIZER_SETUP}
+        chosen["kahan"] = uses_kahan(chosen["kahan"], precision=str(chosen["precision"]),
+                                     optimizer=str(chosen["optimizer"]))
+        chosen["precision"] = "bf16-true" if chosen["precision"] == "bf16-true" else "mixed or fp32"
+        return chosen
+
+    saved, now = setup(checkpoint.config), setup(config.to_dict())
+    changed = [name for name in OPTIMIZER_SETUP if saved[name] != now[name]]
+    if changed:
+        was = ", ".join(f"--{name.replace('_', '-')} {checkpoint.config.get(name)}" for name in changed)
+        raise CheckpointError(f"--resume {checkpoint.path}: its optimizer state was saved with {was}; resume with "
+                          "those options (or start a fresh run in a new --output-dir)")
 
 
 def restore(run: Run, checkpoint: checkpoints.Checkpoint) -> None:

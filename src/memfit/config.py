@@ -308,7 +308,7 @@ def _check_step_kernels(problems: Problems, config: TrainConfig) -> None:
 
 def _check_low_memory_full(problems: Problems, config: TrainConfig) -> None:
     """16-bit weights, Kahan summation and the optimizer step in backward against what they cannot do."""
-    from memfit.techniques.bf16_true import kahan_problems
+    from memfit.techniques.bf16_true import kahan_problems, uses_kahan
 
     problems.lines.extend(kahan_problems(config.kahan, precision=config.precision, optimizer=config.optimizer))
     several = config.distributed != "none" or config.world_size > 1
@@ -316,8 +316,9 @@ def _check_low_memory_full(problems: Problems, config: TrainConfig) -> None:
         problems.add("--precision bf16-true trains in one process here; drop --distributed or use --precision bf16")
     if config.precision == "bf16-true" and config.offload_optimizer:
         problems.add("--precision bf16-true with --offload-optimizer is not supported; use one or the other")
-    if config.kahan and config.fused:
-        problems.add("--fused is torch's AdamW kernel and --kahan runs torch-optimi's; drop one of them")
+    if config.fused and uses_kahan(config.kahan, precision=config.precision, optimizer=config.optimizer):
+        problems.add("--fused is torch's AdamW kernel and Kahan summation (on by default under bf16-true) runs "
+                     "torch-optimi's; drop --fused or add --no-kahan")
     if not config.optimizer_in_backward:
         return
     flag = "--optimizer-in-backward"

@@ -176,6 +176,7 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
     architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later
     if resumed is not None:  # a checkpoint of another model is refused before anything changes
         checkpoints.check_architecture(resumed, model, config.model)
+        checkpointer.check_optimizer_setup(resumed, config)
     checkpointer.prepare_run_dir(output_dir, resumed, plan, world)
     model = place_model(model, resumed, world, prepared, device, monitor, total)
     inner = distributed.unwrap(model)
@@ -187,7 +188,8 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
                            memory_now=lambda: monitor.snapshot().current_bytes,
                            memory_needed=lambda: memory_needed_phrase(config, prepared),
                            cannot_recover=distributed.CANNOT_RECOVER if world.distributed
-                           else CANNOT_REPLAY if config.optimizer_in_backward else None)
+                           else CANNOT_REPLAY if config.optimizer_in_backward else None,
+                           eval_splits=not world.distributed)
     stop = checkpoints.StopSignals()  # SIGTERM/SIGINT: finish the micro-step, save, exit
     runner = {"precision": prepared.precision, "scaler": scaler, "device": device, "phases": monitor,
               "stop_requested": stop.requested, "loss_chunk": config.loss_chunk,
@@ -340,9 +342,10 @@ def record_skip(run: Run, check: StepCheck) -> None:
     run.reporter.warn(f"step {step}: non-finite {'loss' if not check.loss_finite else 'gradients'}"
                       f"{' in ' + ', '.join(skip['parameters']) if skip['parameters'] else ''}; {skipped}")
     if state.counters.consecutive_nonfinite >= run.config.max_nonfinite_steps:
+        advice = "lower --lr or use --precision fp32" if run.config.optimizer_in_backward else \
+            "lower --lr, use --precision fp32, or set --max-grad-norm"
         raise TrainingError(f"stopped at step {step}: {state.counters.consecutive_nonfinite} consecutive optimizer "
-                            "steps had a non-finite loss or gradients; lower --lr, use --precision fp32, or set "
-                            "--max-grad-norm")
+                            f"steps had a non-finite loss or gradients; {advice}")
 
 
 def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
@@ -362,7 +365,8 @@ def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
 
 
 CANNOT_REPLAY = ("--optimizer-in-backward may have updated part of the model in this step, which cannot be "
-                 "replayed; resume from the last checkpoint (--save-every) with a setup that fits (memfit plan)")
+                 "replayed; start again, or resume from a checkpoint if --save-every wrote one, with a setup that "
+                 "fits (memfit plan)")
 
 
 def kernels_label(config: TrainConfig) -> str:

@@ -248,7 +248,8 @@ def load_fp32(prepared: Prepared) -> nn.Module:
         raise ConfigError(f"{prepared.config.model}: no weights ({' or '.join(WEIGHT_FILES)}); quantize a "
                           "fine-tuned model")
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
-    return build_model(prepared.spec, label_names=prepared.label_names, pad_token_id=pad).eval()
+    # a bf16-true run saves bf16 weights: the export and its comparison run in fp32
+    return build_model(prepared.spec, label_names=prepared.label_names, pad_token_id=pad).float().eval()
 
 
 def weights_bytes(directory: Path) -> int:

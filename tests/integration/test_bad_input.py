@@ -177,6 +177,12 @@ CASES: dict[str, tuple[Setup, str]] = {
     "in-backward-with-accumulation": (lambda w: base(w, "--optimizer-in-backward", "--max-grad-norm", "none",
                                                      "--micro-batch-size", "8"),
                                       "gradients cannot accumulate over 4 micro-batches"),
+    "packing-without-position-ids": (lambda w: ["estimate", "--model", str(write_model_dir(w / "bloom", {
+        "architectures": ["BloomForCausalLM"], "model_type": "bloom", "hidden_size": 32, "n_layer": 1, "n_head": 2,
+        "vocab_size": 128})), "--task", "causal-lm", "--packing"], "which a Bloom model does not take"),
+    "resume-another-optimizer-setup": (lambda w: (finished_run(w), base(w, "--resume", "--optimizer-in-backward",
+                                                                       "--max-grad-norm", "none"))[1],
+                                       "its optimizer state was saved with --optimizer-in-backward False"),
     "offload-activations-on-cpu": (lambda w: base(w, "--offload-activations", "--device", "cpu"),
                                    "--offload-activations moves saved activations from a CUDA card"),
     # --- more than one GPU ---

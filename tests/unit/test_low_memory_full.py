@@ -20,7 +20,7 @@ from memfit.config import TrainConfig
 from memfit.errors import ConfigError
 from memfit.memory.estimate import Estimate, estimate, prepare_trace, run_steps
 from memfit.models import resolve_model
-from memfit.planner import Plan, plan
+from memfit.planner import Plan, load_plan, plan
 from memfit.planner.allowed import Allowed
 from memfit.techniques.optimizer_in_backward import InBackwardOptimizer
 from memfit.techniques.precision import Precision
@@ -182,15 +182,16 @@ def wide_plans(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Plan]:
     model = write_model_dir(tmp_path_factory.mktemp("plans") / "wide", WIDE)
     cache: dict[Any, Estimate] = {}
 
-    def planned(budget: int, *, length: int = 16, batch: int = 4, **options: Any) -> Plan:
+    def planned(budget: int, *, length: int = 16, batch: int = 4, precisions: tuple[str, ...] = ("fp32",),
+                **options: Any) -> Plan:
         config = TrainConfig(model=str(model), task="causal-lm", effective_batch=batch, max_length=length)
         return plan(config, device="cpu", budget=budget, seq_len=length, cache=cache, margin=0.0,
-                    precisions=("fp32",), **options)
+                    precisions=precisions, **options)
     return planned
 
 
 def test_the_planner_reaches_for_the_step_in_backward_then_16_bit_weights_then_8_bit_states(
-        wide_plans: Callable[..., Plan]) -> None:
+        wide_plans: Callable[..., Plan], tmp_path: Path) -> None:
     need = wide_plans(2 * 10**9).chosen.predicted_peak_bytes  # type: ignore[union-attr]
     nothing = wide_plans(int(0.8 * need))
     assert nothing.chosen is None
@@ -203,13 +204,21 @@ def test_the_planner_reaches_for_the_step_in_backward_then_16_bit_weights_then_8
     assert chosen.to_dict()["optimizer_in_backward"] is True and chosen.to_dict()["weights_precision"] == "fp32"
     run = released.to_config()
     assert run.optimizer_in_backward and run.max_grad_norm is None and run.resolved_accumulation_steps == 1
+    released.save(tmp_path / "plan.json")  # what memfit train --plan trains: the same setup
+    assert load_plan(tmp_path / "plan.json").to_config() == run
     assert estimate(run, device="cpu", seq_len=16).total_bytes == chosen.predicted_peak_bytes  # exact
 
-    stacked = wide_plans(int(0.4 * need), allow=Allowed(optimizer_in_backward=True, bf16_true=True,
-                                                        eight_bit_optimizer=True)).chosen
+    stacked_plan = wide_plans(int(0.4 * need), allow=Allowed(optimizer_in_backward=True, bf16_true=True,
+                                                             eight_bit_optimizer=True))
+    stacked = stacked_plan.chosen
     assert stacked is not None and stacked.family.precision == "bf16-true"
     assert stacked.family.optimizer == "adamw8bit" and not stacked.family.kahan
     assert stacked.to_dict()["weights_precision"] == "bf16"
+    stacked_plan.save(tmp_path / "stacked.json")
+    assert load_plan(tmp_path / "stacked.json").to_config() == stacked_plan.to_config()
+
+    asked = wide_plans(2 * 10**9, precisions=("bf16-true",)).chosen  # asked for: no opt-in of the plan's
+    assert asked is not None and asked.family.kahan and asked.reason.startswith("chosen")
 
 
 def test_the_planner_says_which_effective_batch_the_step_in_backward_fits(wide_plans: Callable[..., Plan]) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,12 +102,31 @@ def synthetic_rows(batch_size: int, length: int) -> Batch:
     return pack(sequences, [1] * len(sequences), max_length=length, pad_token_id=0)(range(batch_size))
 
 
-def packing_problems(packing: bool, task: str) -> list[str]:
-    """``--packing`` is for causal-LM data: a classification run is refused."""
+def packing_problems(packing: bool, task: str, hf_config: Any = None) -> list[str]:
+    """``--packing`` is for causal-LM data, on a model that reads ``position_ids``: the restarts in them are what
+    keeps packed examples apart (models with ALiBi biases, Bloom and MPT, take none and would attend across)."""
     if packing and task != "causal-lm":
         return ["--packing packs causal-LM examples (prompt/completion or chat data) into full rows; this run is "
                 "classification, whose labels belong to whole texts: drop --packing"]
+    if packing and hf_config is not None and not takes_position_ids(hf_config):
+        return [f"--packing keeps packed examples apart through their position ids, which a "
+                f"{type(hf_config).__name__.removesuffix('Config')} model does not take (its attention would cross "
+                "examples): drop --packing"]
     return []
+
+
+def takes_position_ids(hf_config: Any) -> bool:
+    """Whether the causal LM of ``hf_config`` takes ``position_ids`` (unknown architectures: assumed to)."""
+    import inspect
+
+    import transformers
+
+    from memfit.quiet import quiet_imports
+
+    quiet_imports()  # the model classes' imports, before transformers imports optional libraries on its own
+    mapping: Any = transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+    model_class = mapping[type(hf_config)] if type(hf_config) in mapping else None
+    return model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters
 
 
 def disable_cache(model: nn.Module) -> None:

@@ -178,7 +178,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
     size = (image_size or int(spec.hf_config.image_size)) if vision else None
     spec = _config_only(spec if layers is None else with_depth(spec, layers), size)
     task = resolve_task(config, spec)
-    problems.lines.extend(packing_problems(config.packing, task))
+    problems.lines.extend(packing_problems(config.packing, task, spec.hf_config))
     problems.raise_if_any(ConfigError)
     # Host batches and their item counts, made before any fake mode: counting reads label values.
     micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window

@@ -59,6 +59,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                                             allow_8bit=allow.eight_bit_optimizer,
                                             lora_rank=lora_rank if allow.adapters else None)
     inputs = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # errors now
+    allow = asked_for(allow, base, precisions)
     spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
@@ -238,3 +239,15 @@ def planned_precisions(profile: DeviceProfile) -> tuple[str, ...]:
     """What ``--precision`` may name in a plan for ``profile``: its own precisions, and ``bf16-true`` where the
     card has bf16 (otherwise planned only as ``--allow-bf16-true``'s opt-in)."""
     return (*profile.precisions(), *(("bf16-true",) if profile.has_native_bf16 else ()))
+
+
+def asked_for(allow: Allowed, base: TrainConfig, precisions: tuple[str, ...] | None) -> Allowed:
+    """``allow`` and what the run itself asks for: a technique the user chose is no opt-in of the plan's."""
+    return dataclasses.replace(
+        allow, bf16_true=allow.bf16_true or "bf16-true" in (precisions or ()),
+        optimizer_in_backward=allow.optimizer_in_backward or base.optimizer_in_backward,
+        eight_bit_optimizer=allow.eight_bit_optimizer or "8bit" in base.optimizer,
+        offload=allow.offload or base.offload_optimizer or base.offload_activations
+        or base.optimizer == "paged-adamw8bit",
+        lora=allow.lora or (base.lora_rank > 0 and base.quantize_base == "none"),
+        qlora=allow.qlora or base.quantize_base != "none")

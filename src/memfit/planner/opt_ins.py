@@ -73,7 +73,7 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
     def bf16_true(family: Family) -> Family | None:
         if not profile.has_native_bf16 or family.ranks or family.offload_optimizer:
             return None
-        kahan = family.optimizer != "adamw8bit" and importlib.util.find_spec("optimi") is not None
+        kahan = "8bit" not in family.optimizer and importlib.util.find_spec("optimi") is not None
         return dataclasses.replace(family, precision="bf16-true", kahan=kahan,
                                    kernels=default_kernels(family.optimizer, family.strategy, profile, kahan=kahan))
 

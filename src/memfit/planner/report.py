@@ -109,14 +109,11 @@ class Plan:
             warnings.warn("the plan keeps the optimizer's state on the host: Trainer does that only through "
                           "DeepSpeed (ZeRO stage 2 with offload_optimizer device 'cpu'); or train with memfit "
                           "--offload-optimizer", stacklevel=2)
-        if family.precision == "bf16-true":
-            warnings.warn("the plan trains 16-bit weights with Kahan-summed updates (memfit --precision bf16-true): "
-                          "Trainer's bf16 is mixed precision; a model loaded in bfloat16 trains without Kahan "
-                          "summation there. Train with memfit to keep the plan's numerics", stacklevel=2)
-        if family.optimizer_in_backward:
-            warnings.warn("the plan updates each parameter inside backward (memfit --optimizer-in-backward), which "
-                          "Trainer does not do: its full set of gradients needs more memory than the plan's peak; "
-                          "train with memfit to keep it", stacklevel=2)
+        if family.precision == "bf16-true" or family.optimizer_in_backward:
+            what = "16-bit weights (--precision bf16-true)" if family.precision == "bf16-true" else \
+                "the optimizer step inside backward (--optimizer-in-backward)"
+            raise ConfigError(f"the plan trains with {what}, which Trainer has no setting for; train it with "
+                              "memfit train --plan, or plan for Trainer without that opt-in")
         optim = {"adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
                  "sgd": "sgd"}.get(family.optimizer) or (
             "adamw_torch" if family.kernels == "foreach" else "adamw_torch_fused")
@@ -159,11 +156,17 @@ def load_plan(path: str | Path) -> Plan:
 
 def _candidate(raw: dict[str, Any]) -> Candidate:
     kernels = raw.get("kernels") or ("foreach" if raw["foreach"] else "loop")  # plans saved before "kernels"
+    label = raw["optimizer"]  # "adamw-fused", "adamw-loop-kahan in backward", "paged-adamw8bit", ...
+    optimizer = next((name for name in ("paged-adamw8bit", "adamw8bit") if label.startswith(name)),
+                     label.split("-")[0])
     family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], kernels=kernels,
-                    freeze=raw["freeze"], optimizer=raw["optimizer"].split("-")[0],
+                    freeze=raw["freeze"], optimizer=optimizer,
                     strategy=raw.get("distributed", "none"), lora_rank=raw.get("lora_rank", 0),
                     quantize_base=raw.get("quantize_base", "none"),
-                    offload_optimizer=raw.get("offload_optimizer", False), loss_chunk=raw.get("loss_chunk"))
+                    offload_optimizer=raw.get("offload_optimizer", False), loss_chunk=raw.get("loss_chunk"),
+                    kahan=raw.get("kahan", False), optimizer_in_backward=raw.get("optimizer_in_backward", False),
+                    drops_clipping=raw.get("drops_clipping", False),
+                    offload_activations=raw.get("offload_activations", False), packing=raw.get("packing", False))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],

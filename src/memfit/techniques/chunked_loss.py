@@ -19,6 +19,8 @@ their whole logits and chunk only the fp32 copy and the log-softmax.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,7 +74,8 @@ def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     state and nothing else, else ``None`` (see the module docstring)."""
     from torch.distributed.fsdp import FSDPModule
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT: the model
+    base_of: Any = getattr(model, "get_base_model", None)
+    inner: Any = base_of() if callable(base_of) else model  # under PEFT: the model it wraps
     if isinstance(inner, FSDPModule) or not hasattr(inner, "get_output_embeddings"):
         return None  # a sharded (or wrapped) model runs its own forward: its root gathers the head
     head, decoder = inner.get_output_embeddings(), getattr(inner, "base_model", None)

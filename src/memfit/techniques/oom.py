@@ -41,7 +41,8 @@ class OomRecovery:
 
     def __init__(self, micro_batch_size: int, eval_batch_size: int, *, effective_batch: int,
                  device: torch.device, memory_now: Callable[[], int],
-                 memory_needed: Callable[[], str] = lambda: "", cannot_recover: str | None = None) -> None:
+                 memory_needed: Callable[[], str] = lambda: "", cannot_recover: str | None = None,
+                 eval_splits: bool | None = None) -> None:
         self.micro_batch_size = micro_batch_size
         self.eval_batch_size = eval_batch_size
         self.effective_batch = effective_batch
@@ -51,6 +52,9 @@ class OomRecovery:
         self.memory_needed = memory_needed
         """A phrase naming the memory a micro-batch of 1 needs, for the final error ('' when unknown)."""
         self.cannot_recover = cannot_recover
+        self.eval_splits = cannot_recover is None if eval_splits is None else eval_splits
+        """Whether an evaluation OOM halves the evaluation batch (it changes nothing trained; a distributed run's
+        ranks could not agree on it)."""
         """Set when every OOM must stop the run (a distributed run, whose ranks cannot agree on a smaller
         micro-batch at the failing op): what to do instead."""
         self.events: list[dict[str, Any]] = []
@@ -115,7 +119,7 @@ class OomRecovery:
             done, result, memory, message = self._try(attempt, self.eval_batch_size)
             if done:
                 return result  # type: ignore[return-value]
-            if self.cannot_recover is not None:
+            if not self.eval_splits:
                 raise TrainingError(f"step {step}: out of memory while evaluating with a batch of "
                                     f"{self.eval_batch_size} ({message}); lower --eval-batch-size")
             self._release()
