@@ -43,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as directory:
         cases: list[tuple[str, dict[str, Any], str]] = [(name, config, "causal-lm")
                                                         for name, config in FAMILIES.items()]

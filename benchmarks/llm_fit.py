@@ -2,9 +2,12 @@
 
 For each device profile (GTX 1080 Ti 11 GiB, T4 16 GiB, RTX 4090 24 GiB), each model preset and each sequence
 length, at an effective batch of 16: the fastest plan of each technique (full fine-tuning, LoRA r=16 on a
-16-bit base, QLoRA r=16 on an NF4 base), with its predicted peak, or "does not fit" with the least any setup
-of that technique needs. Every number is memfit's planner on this machine (fake-tensor traces of the real
-step for that card; no GPU involved); the README sets them beside published tables.
+16-bit base, QLoRA r=16 on an NF4 base, and full fine-tuning with every memory technique allowed: the step in
+backward, bf16-true weights with Kahan summation, 8-bit and paged states, the optimizer or the activations on the
+host), with its predicted peak, or "does not fit" with the least any setup of that technique needs (or the
+largest effective batch at which the step in backward would fit). Every number is memfit's planner on this
+machine (fake-tensor traces of the real step for that card; no GPU involved); the README sets them beside
+published tables.
 
 Rows are appended to the JSON file as they finish, so an interrupted run continues where it stopped:
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +27,18 @@ from typing import Any
 from memfit import TrainConfig
 from memfit.memory.estimate import Estimate
 from memfit.planner import Plan, plan
+from memfit.planner.allowed import Allowed
 from memfit.report import format_bytes
 
 MODELS = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.2-3b", "qwen2.5-7b", "llama-3.1-8b")
 PROFILES = ("1080ti", "t4", "4090")
 LENGTHS = (512, 2048)
-TECHNIQUES: dict[str, dict[str, Any]] = {"full": {}, "lora": {"lora_rank": 16},
+TECHNIQUES: dict[str, dict[str, Any]] = {"full": {}, "full-lowmem": {}, "lora": {"lora_rank": 16},
                                          "qlora": {"lora_rank": 16, "quantize_base": "nf4"}}
+LOW_MEMORY = Allowed(optimizer_in_backward=True, bf16_true=True, eight_bit_optimizer=True, offload=True)
+"""The fourth column: full fine-tuning with every memory technique allowed (the step in backward, 16-bit weights
+with Kahan summation, 8-bit and paged states, the optimizer or activations on the host)."""
+WINDOW = re.compile(r"would fit at an effective batch of at most (\d+)")
 EFFECTIVE_BATCH = 16
 
 
@@ -38,7 +47,8 @@ def fastest(model: str, profile: str, length: int, technique: str, cache: dict[A
     config = TrainConfig(model=model, task="causal-lm", max_length=length, effective_batch=EFFECTIVE_BATCH,
                          **TECHNIQUES[technique])
     started = time.perf_counter()
-    result: Plan = plan(config, device=profile, seq_len=length, cache=cache, suggest=False)
+    allow = LOW_MEMORY if technique == "full-lowmem" else Allowed()
+    result: Plan = plan(config, device=profile, seq_len=length, cache=cache, suggest=False, allow=allow)
     row: dict[str, Any] = {"model": model, "profile": profile, "seq_len": length, "technique": technique,
                            "budget_bytes": result.budget_bytes, "usable_bytes": result.usable_bytes,
                            "seconds": round(time.perf_counter() - started, 1), "verdict": result.verdict}
@@ -48,8 +58,11 @@ def fastest(model: str, profile: str, length: int, technique: str, cache: dict[A
                    samples_per_second=chosen["predicted_samples_per_second"], chosen=chosen)
     else:
         least = min(c.predicted_peak_bytes or 0 for c in result.candidates if c.exact and c.family.technique
-                    == technique and c.family.freeze == "none" and c.family.optimizer == "adamw")
-        row.update(fits=False, peak_bytes=least, setup=None, samples_per_second=None, chosen=None)
+                    == technique.removesuffix("-lowmem") and c.family.freeze == "none"
+                    and (technique == "full-lowmem" or c.family.optimizer == "adamw"))
+        window = [int(k) for k in WINDOW.findall(result.verdict)]
+        row.update(fits=False, peak_bytes=least, setup=None, samples_per_second=None, chosen=None,
+                   fits_at_effective_batch=max(window) if window else None)
     return row
 
 
@@ -59,14 +72,23 @@ def cell(row: dict[str, Any] | None) -> str:
     if row["fits"]:
         chosen = row["chosen"]
         chunks = f", loss/{chosen['loss_chunk']}" if chosen.get("loss_chunk") else ""
+        extras = [name for key, name in (("optimizer_in_backward", "step in bwd"), ("kahan", "Kahan"),
+                                         ("offload_activations", "act. on host"), ("offload_optimizer", "opt. on host"))
+                  if chosen.get(key)]
+        extras += [chosen["optimizer"].split(" ")[0]] if "8bit" in chosen.get("optimizer", "") else []
         return (f"{format_bytes(row['peak_bytes'])} ({chosen['micro_batch_size']}x{chosen['accumulation_steps']}, "
-                f"{chosen['precision']}, ckpt {chosen['checkpointing']}{chunks})")
+                f"{chosen['precision']}, ckpt {chosen['checkpointing']}{chunks}"
+                f"{''.join(', ' + extra for extra in extras)})")
+    if row.get("fits_at_effective_batch"):
+        return (f"fits at effective batch ≤ {row['fits_at_effective_batch']} (step in backward); at 16 needs "
+                f"{format_bytes(row['peak_bytes'])}")
     return f"does not fit (needs {format_bytes(row['peak_bytes'])})"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     index = {(r["profile"], r["model"], r["seq_len"], r["technique"]): r for r in rows}
-    lines = ["| card | model | tokens | full fine-tuning | LoRA r=16 | QLoRA r=16 |", "|---|---|---|---|---|---|"]
+    lines = ["| card | model | tokens | full fine-tuning | full fine-tuning, memory techniques allowed | LoRA r=16 | "
+             "QLoRA r=16 |", "|---|---|---|---|---|---|---|"]
     for profile in PROFILES:
         for model in MODELS:
             for length in LENGTHS:

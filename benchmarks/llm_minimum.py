@@ -24,8 +24,9 @@ from memfit.report import format_bytes
 
 MODELS = {"qwen2.5-0.5b": 0.49, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "qwen2.5-7b": 7.62, "llama-3.1-8b": 8.03}
 """Presets and their parameter counts in billions (for the published per-billion rules)."""
-UNSLOTH_GB = {"llama-3.2-3b": {"qlora": 3.5, "lora": 8}, "qwen2.5-7b": {"qlora": 5, "lora": 19},
-              "llama-3.1-8b": {"qlora": 6, "lora": 22}}
+UNSLOTH_GB: dict[str, dict[str, float]] = {
+    "llama-3.2-3b": {"qlora": 3.5, "lora": 8}, "qwen2.5-7b": {"qlora": 5, "lora": 19},
+    "llama-3.1-8b": {"qlora": 6, "lora": 22}}
 """Unsloth's requirements page: "QLoRA (4-bit) VRAM" and "LoRA (16-bit) VRAM" for 3B, 7B and 8B models,
 "the absolute minimum"."""
 LLAMA_FACTORY_GB_PER_BILLION = {"full": 18, "lora": 2, "qlora": 0.5}
@@ -38,7 +39,7 @@ GB = 1e9
 def fitcheck_gib(model: str, technique: str) -> float | None:
     """fitcheck-llm's total for the same leanest setup, or ``None`` when it is not installed."""
     try:
-        from compare_fitcheck import fitcheck_total  # type: ignore[import-not-found]
+        from compare_fitcheck import fitcheck_total
     except ImportError:
         return None
     try:

@@ -73,14 +73,16 @@ def run(kind: str, technique: str, precision: str, checkpointing: bool, optim: s
     torch.manual_seed(0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = load(model_dir, technique, precision)
-    common = {"output_dir": str(output), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+    common: dict[str, Any] = {"output_dir": str(output), "per_device_train_batch_size": 4,
+              "gradient_accumulation_steps": 2,
               "max_steps": 3, "logging_steps": 1, "report_to": "none", "use_cpu": True, "save_strategy": "no",
               "disable_tqdm": True, "bf16": precision == "bf16", "gradient_checkpointing": checkpointing,
               "optim": optim, "learning_rate": 1e-5}
     if kind == "sft":
-        import trl
+        from trl.trainer.sft_config import SFTConfig
+        from trl.trainer.sft_trainer import SFTTrainer
 
-        trainer: Any = trl.SFTTrainer(model=model, args=trl.SFTConfig(**common, max_length=length),
+        trainer: Any = SFTTrainer(model=model, args=SFTConfig(**common, max_length=length),
                                       train_dataset=datasets.Dataset.from_list([{"text": t} for t in rows]),
                                       processing_class=tokenizer)
     else:

@@ -148,7 +148,7 @@ def measure(case: Case, profile: DeviceProfile, device: torch.device) -> dict[st
                                   low_dtype=precision.low_dtype, weights_dtype=precision.weights_dtype)
     model.train()
     if device.type == "cuda":
-        model.to(device)  # type: ignore[arg-type]  # transformers types .to() narrowly
+        model.to(device)
         monitor = Monitor("cuda")
 
         def reset_after_warm_up(step: int) -> None:
@@ -279,11 +279,11 @@ def main() -> int:
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     table = markdown(rows)
     print(table)
-    measured = [r for r in rows if isinstance(r["allocated_error_percent"], float)]
-    if measured:
-        worst = max(abs(r["allocated_error_percent"]) for r in measured)
-        worst_reserved = max(abs(r["reserved_error_percent"]) for r in measured)
-        print(f"\n{len(measured)} measured rows: worst allocated error {worst:.2f} %, "
+    measured_rows = [r for r in rows if isinstance(r["allocated_error_percent"], float)]
+    if measured_rows:
+        worst = max(abs(float(r["allocated_error_percent"])) for r in measured_rows)
+        worst_reserved = max(abs(float(r["reserved_error_percent"])) for r in measured_rows)
+        print(f"\n{len(measured_rows)} measured rows: worst allocated error {worst:.2f} %, "
               f"worst reserved error {worst_reserved:.2f} %")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
