@@ -324,20 +324,11 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     if tracker is not None:
         label_gradients(tracker, [parameter for _, parameter in trained])
     # torch defaults to foreach kernels for CUDA parameters, to a loop on CPU
-    optimizer = build_optimizer_for(model, config, foreach_default=cuda)
-    if tracker is not None and isinstance(optimizer, OffloadedOptimizer):
-        # its copies, state and update are the target's host's
-        optimizer.host_context = functools.partial(tracker.elsewhere, "offloaded_optimizer")
+    optimizer = traced_optimizer(model, config, tracker, cuda=cuda, fake=read is assume_finite)
     if config.offload_activations and offload is None:
         offload = ActivationOffload()
     if offload is not None and tracker is not None:  # the host copies are the target's host's
         offload.host_context = functools.partial(tracker.elsewhere, "offloaded_activations")
-    if isinstance(optimizer, InBackwardOptimizer) and read is assume_finite:
-        optimizer.check = assume_finite_gradient  # fake gradients hold no values to check
-    if tracker is not None:  # a paged optimizer's big states: CUDA unified memory, which pages to the host
-        for each in optimizer.per_parameter.values() if isinstance(optimizer, InBackwardOptimizer) else [optimizer]:
-            if hasattr(each, "paged_context"):
-                each.paged_context = functools.partial(tracker.elsewhere, "paged_optimizer")
     scheduler = build_scheduler(optimizer, total_steps=len(windows), warmup_ratio=config.warmup_ratio)
     for step in range(1, len(windows) + 1):
         micro_batches = windows.pop(0)  # dropped after its step, as the engine drops a window's batches
@@ -361,6 +352,25 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
         if after_step is not None:
             after_step(step)
     del buckets
+
+
+def traced_optimizer(model: torch.nn.Module, config: TrainConfig, tracker: StorageTracker | None, *, cuda: bool,
+                     fake: bool) -> torch.optim.Optimizer:
+    """The run's optimizer, with what ``tracker`` must see elsewhere than on the card pointed there: an
+    offloaded optimizer's copies, state and update (the host's), a paged optimizer's big states (CUDA unified
+    memory, which pages to the host). ``fake``: gradients hold no values, so a step in backward takes the
+    branch that updates."""
+    optimizer = build_optimizer_for(model, config, foreach_default=cuda)
+    if isinstance(optimizer, InBackwardOptimizer) and fake:
+        optimizer.check = assume_finite_gradient
+    if tracker is None:
+        return optimizer
+    if isinstance(optimizer, OffloadedOptimizer):
+        optimizer.host_context = functools.partial(tracker.elsewhere, "offloaded_optimizer")
+    for each in optimizer.per_parameter.values() if isinstance(optimizer, InBackwardOptimizer) else [optimizer]:
+        if hasattr(each, "paged_context"):
+            each.paged_context = functools.partial(tracker.elsewhere, "paged_optimizer")
+    return optimizer
 
 
 def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimizer, *,

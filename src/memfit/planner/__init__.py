@@ -6,15 +6,18 @@ The effective batch is never changed: the planner only chooses how to compute it
   device's low precision: bf16 where native, else fp16 on CUDA), checkpointing (none, every 2nd layer, every
   layer), and the optimizer step's implementation (fused AdamW in one process; foreach kernels or a
   per-parameter loop otherwise, and a loop or fused step when nothing else fits);
-- opt-in, because it costs host memory and time: the optimizer's state and update on the host
-  (``allow_offload``, one CUDA card; the same update), tried first when nothing accuracy-neutral fits;
-- opt-in, because they change what is learned: freezing (``allow_freeze``: the embeddings, or all but the top
-  half or quarter of the layers) and 8-bit optimizer states (``allow_8bit_optimizer``, needs bitsandbytes).
-  They are a last resort: used only when no accuracy-neutral setup fits, least freezing first.
-- opt-in adapters, in order of fidelity after full fine-tuning: LoRA (``allow_lora``: adapters of
-  ``lora_rank``, the base frozen in 16 bits) and then QLoRA (``allow_qlora``: the same on a 4-bit NF4 base).
+- opt-ins (one typed value, :class:`~memfit.planner.allowed.Allowed`), tried when nothing accuracy-neutral
+  fits, in their order of fidelity and each on top of the ones before (:mod:`memfit.planner.opt_ins`): the
+  optimizer step inside backward (``optimizer_in_backward``: one micro-batch per step, no clipping), the
+  optimizer's state or the saved activations on the host (``offload``, one CUDA card; the same update),
+  16-bit weights with Kahan-summed updates (``bf16_true``, a card with bf16), 8-bit optimizer states
+  (``eight_bit_optimizer``; paged to the host with ``offload`` too) and freezing (``freeze``: the embeddings,
+  or all but the top half or quarter of the layers), least change first. Where only a smaller effective batch
+  would fit the step in backward, the verdict says which.
+- opt-in adapters, in order of fidelity after full fine-tuning: LoRA (``lora``: adapters of
+  ``lora_rank``, the base frozen in 16 bits) and then QLoRA (``qlora``: the same on a 4-bit NF4 base).
   Each says what it needs at least; the first allowed one that fits is searched like the neutral families
-  (precision x checkpointing x optimizer, 8-bit states too with ``allow_8bit_optimizer``). A run that already
+  (precision x checkpointing x optimizer, 8-bit states too with ``eight_bit_optimizer``). A run that already
   asks for LoRA (``config.lora_rank``) is planned within it.
 
 Cost model (all of it):
