@@ -41,6 +41,10 @@ Cost model (all of it):
              + k·D / BW                                       QLoRA: D = bytes read and written per
                                                                micro-step to dequantise the 4-bit weights
                                                                (forward, backward, recompute), traced
+             + k·2·A / host                                   offloaded activations: A bytes a micro-step
+                                                               saves, out and back over the host link
+               (bf16-true: half the optimizer traffic, + 10 bytes per parameter with Kahan; paged 8-bit
+               states: + 4 bytes per parameter over the host link)
              + communication (``--gpus N``, per optimizer step, W = N ranks, r = (W-1)/W, link = the
                profile's rank-to-rank bandwidth; taken as not hidden behind compute, an upper bound):
                ddp   2r·trainable·4 / link                   the gradient all-reduce
@@ -62,7 +66,11 @@ What only a GPU can confirm: EFFICIENCY and τ are typical eager-mode figures, n
 ranking depends on their ratio, the memory side does not. QLoRA's dequantisation is priced as memory traffic
 at the card's bandwidth, as bitsandbytes' dequantise-then-matmul path does it; its fused kernels for small
 batches are not modelled, and none of it has been measured on a GPU; nor has the offloaded optimizer's
-step (transfers and the host's update), priced at the profile's host-link and a typical host bandwidth.
+step (transfers and the host's update), priced at the profile's host-link and a typical host bandwidth; nor
+the low-memory full fine-tuning terms: offloaded activations priced as two unoverlapped PCIe crossings per
+micro-step, paged 8-bit states as paged in and out once per step, Kahan summation as 10 more bytes of
+traffic per parameter, and the step in backward's per-parameter host read of each gradient's norm (not
+priced).
 """
 
 from memfit.planner.choose import plan, plan_for_run
