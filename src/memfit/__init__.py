@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from memfit.planner import Plan, load_plan, plan
     from memfit.quantize import load_quantized
     from memfit.report import Summary
+    from memfit.resolved import DryRun, dry_run
 
 _LAZY = {"memory": ("memfit.memory", None), "train": ("memfit.engine", "train"),
          "Estimate": ("memfit.memory.estimate", "Estimate"), "estimate": ("memfit.memory.estimate", "estimate"),
          "Plan": ("memfit.planner", "Plan"), "load_plan": ("memfit.planner", "load_plan"),
          "plan": ("memfit.planner", "plan"), "load_quantized": ("memfit.quantize", "load_quantized"),
-         "Summary": ("memfit.report", "Summary")}
+         "Summary": ("memfit.report", "Summary"), "DryRun": ("memfit.resolved", "DryRun"),
+         "dry_run": ("memfit.resolved", "dry_run")}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,6 +37,6 @@ def __getattr__(name: str) -> Any:
     return module if attribute is None else getattr(module, attribute)
 
 
-__all__ = ["ConfigError", "DataError", "Estimate", "MemfitError", "Plan", "Summary", "TrainConfig", "TrainingError",
-           "estimate", "load_plan", "load_quantized", "memory", "plan", "train"]
+__all__ = ["ConfigError", "DataError", "DryRun", "Estimate", "MemfitError", "Plan", "Summary", "TrainConfig",
+           "TrainingError", "dry_run", "estimate", "load_plan", "load_quantized", "memory", "plan", "train"]
 __version__ = "0.1.0"

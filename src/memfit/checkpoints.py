@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
+from memfit.config import OPT_INS
 from memfit.errors import CheckpointError
 from memfit.techniques.lora import is_lora
 
@@ -63,7 +64,7 @@ SHARDED = "dcp"
 PROGRESS = "progress.json"
 MARKER = "COMPLETE.json"
 FORMAT = 1
-NOT_LEARNING = ("output_dir", "resume", "overwrite", "save_every", "keep_last", "log_every")
+NOT_LEARNING = ("output_dir", "resume", "overwrite", "save_every", "keep_last", "log_every", "device_profile", *OPT_INS)
 """Config fields that change nothing that is learned: no warning when they differ on resume."""
 
 

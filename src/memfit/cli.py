@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -18,6 +19,7 @@ from memfit.config import (
     DEVICES,
     DISTRIBUTED,
     OPTIMIZERS,
+    PLANNED_LORA_RANK,
     PRECISIONS,
     QUANTIZE_BASE,
     TASKS,
@@ -25,7 +27,7 @@ from memfit.config import (
     from_mapping,
     load_config_file,
 )
-from memfit.errors import MemfitError
+from memfit.errors import ConfigError, MemfitError, NothingFits
 from memfit.names import BUILTIN_DATASETS as BUILTIN
 from memfit.names import PRESETS, PROFILES
 from memfit.views import print_devices, print_estimate, print_plan, print_quantize
@@ -167,6 +169,13 @@ def _planning_and_reliability_options(parser: argparse.ArgumentParser, defaults:
     planning.add_argument("--budget", metavar="SIZE", help="plan the micro-batch, precision, checkpointing and "
                                                            "optimizer to fit SIZE (e.g. 11GiB), then train")
     planning.add_argument("--plan", metavar="PLAN_JSON", help="train with a plan saved by memfit plan --save")
+    planning.add_argument("--device-profile", metavar="GPU", help="plan for that card (1080ti, t4, a profile file) "
+                                                                  "and rehearse its plan here, the card's memory "
+                                                                  "emulated as the limit")
+    planning.add_argument("--dry-run", action="store_true", help="plan, check the model, the data and every option, "
+                                                                 "print the resolved config, and stop: nothing is "
+                                                                 "trained or written")
+    _opt_in_options(planning)
     reliability = parser.add_argument_group("reliability (out-of-memory recovery keeps the effective batch)")
     reliability.add_argument("--emulate-budget", metavar="SIZE",
                              help="behave as if the device had SIZE of memory, e.g. 300MiB or 11GiB")
@@ -220,6 +229,26 @@ def _device_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, f
     where.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
+def _opt_in_options(group: argparse._ArgumentGroup) -> None:
+    """The planner's opt-ins, the same for ``plan`` and ``train --budget``: consent to techniques that change
+    what is learned or where memory lives, tried only when nothing accuracy-neutral fits."""
+    helps = {
+        "--allow-freeze": "opt-in, changes what is learned: freeze the embeddings or lower layers if needed",
+        "--allow-8bit-optimizer": "opt-in: 8-bit AdamW states if needed (bitsandbytes)",
+        "--allow-offload": "opt-in: the optimizer's state, the saved activations or (with 8-bit states) the paged "
+                           "states on the host (one CUDA card), if needed",
+        "--allow-optimizer-in-backward": "opt-in: each parameter updated in backward, its gradient freed (no "
+                                         "clipping, one micro-batch per step), if needed",
+        "--allow-bf16-true": "opt-in: weights, gradients and optimizer state in bf16 with Kahan-summed updates, if "
+                             "needed",
+        "--allow-lora": f"opt-in: LoRA adapters (r={PLANNED_LORA_RANK} with train), the base frozen in 16 bits, when "
+                        "no full fine-tuning fits",
+        "--allow-qlora": "opt-in: LoRA on a 4-bit NF4 base (bitsandbytes), when LoRA does not fit",
+    }
+    for flag, text in helps.items():  # default None: "not given" (a config file may set it)
+        group.add_argument(flag, action="store_true", default=None, help=text)
+
+
 def add_plan_options(parser: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     target = parser.add_argument_group("what to plan")
@@ -245,23 +274,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     allowed.add_argument("--precision", choices=PRECISIONS, default="auto",
                          help="plan only this precision [auto: fp32 and the device's low precision]")
     allowed.add_argument("--optimizer", choices=("adamw", "sgd"), help=f"[{defaults.optimizer}]")
-    allowed.add_argument("--allow-freeze", action="store_true", help="opt-in, changes what is learned: freeze "
-                                                                     "the embeddings or lower layers if needed")
-    allowed.add_argument("--allow-8bit-optimizer", action="store_true", help="opt-in: 8-bit AdamW states if "
-                                                                             "needed (bitsandbytes)")
-    allowed.add_argument("--allow-offload", action="store_true", help="opt-in: the optimizer's state and update on "
-                                                                      "the host (one CUDA card), if needed")
-    allowed.add_argument("--allow-optimizer-in-backward", action="store_true",
-                         help="opt-in: each parameter updated in backward, its gradient freed (no clipping, one "
-                              "micro-batch per step), if needed")
-    allowed.add_argument("--allow-bf16-true", action="store_true", help="opt-in: weights, gradients and optimizer "
-                                                                        "state in bf16 with Kahan-summed updates, "
-                                                                        "if needed")
-    allowed.add_argument("--allow-lora", action="store_true", help="opt-in: LoRA adapters, the base frozen in "
-                                                                   "16 bits, when no full fine-tuning fits")
-    allowed.add_argument("--allow-qlora", action="store_true", help="opt-in: LoRA on a 4-bit NF4 base "
-                                                                    "(bitsandbytes), when LoRA does not fit")
-    allowed.add_argument("--lora-rank", type=int, default=16, metavar="R", help="rank of planned adapters [16]")
+    _opt_in_options(allowed)
+    allowed.add_argument("--lora-rank", type=int, default=PLANNED_LORA_RANK, metavar="R",
+                         help=f"rank of planned adapters [{PLANNED_LORA_RANK}]")
     out = parser.add_argument_group("output")
     out.add_argument("--config", help="TOML/YAML/JSON file with train options to plan for")
     out.add_argument("--top", type=int, default=12, help="candidate rows to print [12]")
@@ -342,12 +357,7 @@ def run_plan(args: argparse.Namespace) -> int:
         given["max_length"] = args.seq_len
     config = from_mapping({**values, **given})
     result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
-                  margin=args.margin, allow=Allowed(
-                      freeze=args.allow_freeze, eight_bit_optimizer=args.allow_8bit_optimizer,
-                      offload=args.allow_offload, lora=args.allow_lora, qlora=args.allow_qlora,
-                      bf16_true=args.allow_bf16_true,
-                      optimizer_in_backward=args.allow_optimizer_in_backward),
-                  lora_rank=args.lora_rank,
+                  margin=args.margin, allow=Allowed.of(args), lora_rank=args.lora_rank,
                   precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels,
                   gpus=args.gpus)
     if args.save:
@@ -369,7 +379,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 NO_CLIP = "none"
-NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps", "quantize", "full_length")
+NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps", "quantize", "full_length",
+              "dry_run", "words")
 
 
 def _optional_float(text: str) -> float | str:
@@ -482,7 +493,18 @@ def run_train(args: argparse.Namespace) -> int:
     from memfit.engine import train
 
     console = Console(stderr=True) if args.json else Console()
-    summary = train(config_from_args(args), console=console)
+    config = config_from_args(args)
+    try:
+        if args.dry_run:
+            from memfit.resolved import dry_run
+
+            planned = dry_run(config, console=console)
+            if args.json:
+                print(json.dumps(planned.to_dict()))
+            return 0
+        summary = train(config, console=console)
+    except NothingFits as error:
+        raise ConfigError(with_command(error, args.words, given=config.opt_ins)) from None
     if launched_rank() != 0:  # under torchrun, rank 0 alone reports
         return 0
     if args.quantize:
@@ -492,6 +514,22 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary.to_dict()))
     return 0
+
+
+def with_command(error: NothingFits, words: list[str], *, given: tuple[str, ...]) -> str:
+    """The planner's verdict and the command that trains with the first opt-in that would fit and that the run
+    does not give yet (``given``: its opt-ins, from the command line or a config file)."""
+    from memfit.distributed import launched_world_size
+
+    missing = next(([flag for flag in fix if flag not in given] for fix in error.fixes
+                    if any(flag not in given for flag in fix)), None)
+    if missing is None:
+        return error.verdict
+    ranks = launched_world_size()
+    launcher = ["torchrun", f"--nproc-per-node={ranks}", "-m", "memfit"] if ranks > 1 else ["memfit"]
+    kept = [word for word in words if word != "--dry-run"]
+    command = " ".join([*launcher, *(shlex.quote(word) for word in kept), *missing])
+    return f"{error.verdict}; to train with the first: {command}"
 
 
 def run_listing(args: argparse.Namespace) -> int:
@@ -510,6 +548,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.words = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "bench":
             return run_bench_command(args, argv)

@@ -30,6 +30,11 @@ QUANTIZE_BASE = ("none", "nf4", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED = ("none", "ddp", "fsdp", "auto")
 TASKS = ("auto", "classification", "causal-lm")
+OPT_INS = ("allow_freeze", "allow_8bit_optimizer", "allow_offload", "allow_optimizer_in_backward", "allow_bf16_true",
+           "allow_lora", "allow_qlora")
+"""The planning opt-ins (``--allow-*``): what ``budget`` may plan beyond the accuracy-neutral setups."""
+PLANNED_LORA_RANK = 16
+"""The rank of the adapters a plan chooses under ``allow_lora``/``allow_qlora``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +89,26 @@ class TrainConfig:
     checkpointing and optimizer implementation that train fastest within it (:mod:`memfit.planner`)."""
     plan: str | None = None
     """Train with a plan saved by ``memfit plan --save`` instead of planning now."""
+    device_profile: str | None = None
+    """Plan for this GPU (``1080ti``, a profile file) and run that plan on this machine, the card's memory (or
+    ``budget``) emulated as the limit: a rehearsal of the card's run before renting it."""
+    allow_freeze: bool = False
+    """Planning opt-in (changes what is learned): freeze the embeddings or the lower layers if nothing else
+    fits."""
+    allow_8bit_optimizer: bool = False
+    """Planning opt-in: bitsandbytes' 8-bit AdamW states if nothing else fits."""
+    allow_offload: bool = False
+    """Planning opt-in: the optimizer's state, the saved activations or (with 8-bit states) the paged states on
+    the host, one CUDA card."""
+    allow_optimizer_in_backward: bool = False
+    """Planning opt-in: the optimizer step inside backward (no clipping, one micro-batch per step)."""
+    allow_bf16_true: bool = False
+    """Planning opt-in: weights, gradients and optimizer state in bf16, updates Kahan-summed."""
+    allow_lora: bool = False
+    """Planning opt-in: LoRA adapters of rank :data:`PLANNED_LORA_RANK`, the base frozen in 16 bits, when no full
+    fine-tuning fits."""
+    allow_qlora: bool = False
+    """Planning opt-in: LoRA on a 4-bit NF4 base when LoRA does not fit either."""
 
     # --- techniques ---
     precision: str = "auto"
@@ -235,7 +260,18 @@ class TrainConfig:
     def plans(self) -> bool:
         """Whether the planner chooses this run's split and techniques (``budget``, ``plan`` or a GPU profile
         as ``device``)."""
-        return self.budget is not None or self.plan is not None or self.device not in DEVICES
+        return self.budget is not None or self.plan is not None or self.device not in DEVICES \
+            or self.device_profile is not None
+
+    def without_opt_ins(self) -> TrainConfig:
+        """This config without ``--allow-*`` (once a plan has chosen, they have done their part)."""
+        cleared: dict[str, Any] = dict.fromkeys(OPT_INS, False)
+        return dataclasses.replace(self, **cleared)
+
+    @property
+    def opt_ins(self) -> tuple[str, ...]:
+        """The ``--allow-*`` flags given."""
+        return tuple(f"--{name.replace('_', '-')}" for name in OPT_INS if getattr(self, name))
 
     @property
     def emulate_budget_bytes(self) -> int | None:
@@ -424,10 +460,33 @@ def _check_run_dir_and_budget(problems: Problems, config: TrainConfig) -> None:
         problems.collect(lambda: parse_bytes(str(config.budget), option="--budget"))
     if config.budget is not None and config.plan is not None:
         problems.add("give either --budget (plan now) or --plan (use a saved plan), not both")
-    if (config.budget is not None or config.plan is not None) and (
+    if (config.budget is not None or config.plan is not None or config.device_profile is not None) and (
             config.micro_batch_size is not None or config.accumulation_steps is not None):
         problems.add("--budget/--plan choose the micro-batch; drop --micro-batch-size/--accumulation-steps "
                      "(or drop --budget/--plan)")
+    _check_planning(problems, config)
+
+
+def _check_planning(problems: Problems, config: TrainConfig) -> None:
+    """The opt-ins, the rehearsal on another card and the dry run: only where this run plans."""
+    given = " ".join(config.opt_ins)
+    if given and config.plan is not None:
+        problems.add(f"{given}: a saved --plan has chosen its setup already; give the opt-ins to memfit plan "
+                     "... --save, or plan now with --budget instead of --plan")
+    elif given and not config.plans:
+        problems.add(f"{given}: opt-ins are for the planner, and this run does not plan; add --budget SIZE (e.g. "
+                     "11GiB) or --device-profile GPU")
+    if config.device_profile is None:
+        return
+    if config.device not in ("auto", "cpu", "cuda"):
+        problems.add(f"--device-profile {config.device_profile} plans for that card and runs here; drop --device "
+                     f"{config.device} (or --device-profile)")
+    if config.emulate_budget is not None:
+        problems.add("--device-profile runs with the card's memory (or --budget) as the limit; drop "
+                     "--emulate-budget")
+    if config.plan is not None:
+        problems.add("--device-profile plans for that card; a saved --plan has chosen already: drop one of them")
+    problems.lines.extend(_gpu_profile_problems(config.device_profile, "--device-profile"))
 
 
 def _check_distributed(problems: Problems, config: TrainConfig) -> None:
@@ -439,8 +498,8 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
 
 
-def _gpu_profile_problems(name: str) -> list[str]:
-    """What is wrong with ``--device NAME`` as a GPU to plan for: a built-in profile or a profile file."""
+def _gpu_profile_problems(name: str, flag: str = "--device") -> list[str]:
+    """What is wrong with ``NAME`` as a GPU to plan for: a built-in profile or a profile file."""
     from memfit.devices import resolve_profile
 
     try:
@@ -448,9 +507,13 @@ def _gpu_profile_problems(name: str) -> list[str]:
     except ConfigError as error:
         if Path(name).suffix in (".toml", ".json"):
             return error.problems
-        return [f"--device {name!r} is not one of: {', '.join(DEVICES)}, or a GPU profile to plan for "
-                "(memfit devices) or a .toml/.json profile file"]
-    return [] if profile.kind == "cuda" else [f"--device {name!r} is not a GPU profile; use --device cpu"]
+        choices = f"one of: {', '.join(DEVICES)}, or " if flag == "--device" else ""
+        return [f"{flag} {name!r} is not {choices}a GPU profile to plan for (memfit devices) or a .toml/.json "
+                "profile file"]
+    if profile.kind == "cuda":
+        return []
+    return [f"{flag} {name!r} is not a GPU profile; " + ("use --device cpu" if flag == "--device" else
+                                                        "give one of memfit devices' GPUs")]
 
 
 def _check_choice(problems: Problems, name: str, value: str, allowed: tuple[str, ...]) -> None:

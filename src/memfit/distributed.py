@@ -113,7 +113,7 @@ def replica_config(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, distributed="none", world_size=1, cpu_offload=False,
                                effective_batch=config.per_rank_batch,
                                micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=None,
-                               budget=None, plan=None)
+                               budget=None, plan=None, device_profile=None).without_opt_ins()
 
 
 @contextlib.contextmanager

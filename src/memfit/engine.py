@@ -22,7 +22,7 @@ from rich.console import Console
 from torch import nn
 
 from memfit import checkpointer, checkpoints, distributed
-from memfit.build import Prepared, build_base_for, build_model_for, build_optimizer_for, prepare
+from memfit.build import Prepared, build_base_for, build_model_for, build_optimizer_for
 from memfit.config import TrainConfig
 from memfit.data.batches import window_order
 from memfit.errors import TrainingError
@@ -30,15 +30,15 @@ from memfit.memory.estimate import resolve_strategy
 from memfit.memory.monitor import PHASES, Monitor, StepTimeline
 from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
-from memfit.planner import Plan, plan_for_run
+from memfit.planner import Plan
 from memfit.report import Reporter, Summary, format_bytes, write_json
+from memfit.resolved import config_rows, prepare_planned
 from memfit.run import Run
 from memfit.step import optimizer_step
-from memfit.techniques.bf16_true import uses_kahan
 from memfit.techniques.lora import save_merged
 from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.oom import OomRecovery
-from memfit.techniques.optim import build_scheduler, step_kernels
+from memfit.techniques.optim import build_scheduler
 from memfit.techniques.stability import StepCheck
 from memfit.windows import PartialWindow, WindowResult, evaluate, window_runner
 
@@ -213,7 +213,7 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
 def start_run(run: Run) -> None:
     """Show the config, and put a resumed run back where its checkpoint left it."""
     run.reporter.show_config(config_rows(run.prepared, run.output_dir, run.trainable_parameters,
-                                         run.total_parameters))
+                                         run.total_parameters, run.plan))
     if run.config.optimizer_in_backward:
         run.reporter.warn("--optimizer-in-backward: out-of-memory recovery is off (a step updated in part cannot be "
                           "replayed); an OOM stops the run, to resume from its last checkpoint")
@@ -303,15 +303,6 @@ def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, wor
     return model
 
 
-def prepare_planned(config: TrainConfig, console: Console) -> tuple[Prepared, Plan | None]:
-    """The validated run; with ``--budget``/``--plan``, of the config the planner chose."""
-    prepared = prepare(config)
-    if not config.plans:
-        return prepared, None
-    planned, plan = plan_for_run(prepared, console)
-    return prepare(planned), plan
-
-
 def report_oom(reporter: Reporter, events: list[dict[str, Any]]) -> None:
     """Log and show the out-of-memory events of one window or evaluation."""
     for event in events:
@@ -367,63 +358,3 @@ def memory_needed_phrase(config: TrainConfig, prepared: Prepared) -> str:
 CANNOT_REPLAY = ("--optimizer-in-backward may have updated part of the model in this step, which cannot be "
                  "replayed; start again, or resume from a checkpoint if --save-every wrote one, with a setup that "
                  "fits (memfit plan)")
-
-
-def kernels_label(config: TrainConfig) -> str:
-    """How the optimizer step runs: ``fused``, ``foreach``, ``loop``, or torch's default."""
-    if uses_kahan(config.kahan, precision=config.precision, optimizer=config.optimizer):
-        return "foreach" if config.foreach else "loop"
-    foreach, fused = step_kernels(config.optimizer, foreach=config.foreach, fused=config.fused,
-                                  distributed=config.distributed != "none")
-    return "fused" if fused else {True: "foreach", False: "loop", None: "torch default"}[foreach]
-
-
-def adapters_label(config: TrainConfig, precision: str) -> str:
-    """LoRA's rank, scaling, targets and the base's storage, in words; ``none`` without adapters."""
-    if not config.lora_rank:
-        return "none"
-    alpha = config.lora_alpha if config.lora_alpha is not None else 2 * config.lora_rank
-    base = {"none": precision, "nf4": "4-bit NF4",
-            "int8": "8-bit"}[config.quantize_base]
-    return (f"LoRA r={config.lora_rank} alpha {alpha:g} dropout {config.lora_dropout:g} on "
-            f"{config.lora_targets or 'every Linear of the blocks'}; frozen base {base}"
-            f"{', merged copy saved' if config.merge else ''}")
-
-
-def config_rows(prepared: Prepared, output_dir: Path, trainable: int, total: int) -> list[tuple[str, str]]:
-    """The resolved config, as (name, value) rows for the console."""
-    config = prepared.config
-    checkpointing = config.checkpointing + (f" (N={config.checkpoint_every})"
-                                            if config.checkpointing == "every-n" else "")
-    freezing = ", ".join(filter(None, ["embeddings" if config.freeze_embeddings else "",
-                                       f"all but top {config.train_top_layers} layers"
-                                       if config.train_top_layers else ""])) or "none"
-    kahan = uses_kahan(config.kahan, precision=prepared.precision.name, optimizer=config.optimizer)
-    return [
-        ("model", f"{config.model} ({type(prepared.spec.hf_config).__name__}, {prepared.spec.num_layers} layers, "
-                  f"{'pretrained' if prepared.spec.is_pretrained else 'random init'})"),
-        ("data", f"{config.data}: {len(prepared.train_examples)} train / {len(prepared.val_examples)} val, "
-                 f"{len(prepared.label_names)} labels ({', '.join(prepared.label_names[:4])}"
-                 f"{', ...' if len(prepared.label_names) > 4 else ''})"
-                 f"{'' if prepared.packed is None else f'; packed into {len(prepared.packed)} rows of '}"
-                 f"{'' if prepared.packed is None else f'{config.max_length} tokens (a sample is a row)'}"),
-        ("device", prepared.device.describe()),
-        ("batch", f"effective {config.effective_batch} = micro {config.resolved_micro_batch_size} x "
-                  f"{config.resolved_accumulation_steps} accumulation steps"),
-        ("precision", f"{prepared.precision.name}"
-                      f"{' (auto)' if config.precision == 'auto' else ''}"
-                      f"{' + GradScaler' if prepared.precision.uses_scaler else ''}"
-                      f"{' + Kahan-summed updates' if kahan else ''}"),
-        ("checkpointing", checkpointing),
-        ("freezing", freezing),
-        ("adapters", adapters_label(config, prepared.precision.name)),
-        ("parameters", f"{trainable:,} trainable of {total:,} "
-                       f"({format_bytes(4 * total)} in fp32)"),
-        ("optimizer", f"{config.optimizer} lr {config.lr:g}, weight decay {config.weight_decay:g}, "
-                      f"step {kernels_label(config)}"
-                      f"{' per parameter inside backward' if config.optimizer_in_backward else ''}, "
-                      f"clip {config.max_grad_norm if config.max_grad_norm is not None else 'off'}"),
-        ("schedule", f"{config.epochs} epoch(s), max steps {config.max_steps or '-'}, seed {config.seed}, "
-                     f"max length {config.max_length}"),
-        ("output", str(output_dir)),
-    ]

@@ -30,6 +30,15 @@ class ConfigError(MemfitError):
     """Options that are unknown, out of range, or incompatible with each other or with the device."""
 
 
+class NothingFits(ConfigError):
+    """A budgeted run that no allowed setup fits; ``fixes`` are the opt-in flag sets that would fit, in the
+    planner's order of fidelity (the first changes least)."""
+
+    def __init__(self, verdict: str, fixes: tuple[tuple[str, ...], ...] = ()) -> None:
+        super().__init__(verdict)
+        self.verdict, self.fixes = verdict, tuple(fixes)
+
+
 class DataError(MemfitError):
     """A dataset that is missing, empty, or does not match the model's head."""
 

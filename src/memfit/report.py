@@ -125,6 +125,15 @@ class MetricsLog:
         self._file.close()
 
 
+def config_table(rows: list[tuple[str, str]], *, title: str = "memfit train: resolved config") -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("option", style="cyan")
+    table.add_column("value")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
 class Reporter:
     """Console output of a run (rich), and its metrics file."""
 
@@ -136,12 +145,7 @@ class Reporter:
         self._task: Any = None
 
     def show_config(self, rows: list[tuple[str, str]]) -> None:
-        table = Table(title="memfit train: resolved config", show_header=False, title_justify="left")
-        table.add_column("option", style="cyan")
-        table.add_column("value")
-        for name, value in rows:
-            table.add_row(name, value)
-        self.console.print(table)
+        self.console.print(config_table(rows))
 
     def warn(self, message: str) -> None:
         self.console.print(f"[bold yellow]warning:[/] {message}")

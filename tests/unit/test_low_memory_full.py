@@ -173,7 +173,7 @@ def test_bf16_true_weights_are_bf16_and_buffers_keep_their_dtype(small_llama: Pa
     assert any(buffer.dtype == torch.float32 for buffer in model.buffers())  # rotary frequencies
 
 
-WIDE = {**SMALL_VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
+WIDE = {**SMALL_VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +193,11 @@ def wide_plans(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Plan]:
 def test_the_planner_reaches_for_the_step_in_backward_then_16_bit_weights_then_8_bit_states(
         wide_plans: Callable[..., Plan], tmp_path: Path) -> None:
     need = wide_plans(2 * 10**9).chosen.predicted_peak_bytes  # type: ignore[union-attr]
-    nothing = wide_plans(int(0.8 * need))
+    nothing = wide_plans(int(0.85 * need))
     assert nothing.chosen is None
     assert "--allow-optimizer-in-backward would fit" in nothing.verdict  # the least change first
 
-    released = wide_plans(int(0.8 * need), allow=Allowed(optimizer_in_backward=True, bf16_true=True))
+    released = wide_plans(int(0.85 * need), allow=Allowed(optimizer_in_backward=True, bf16_true=True))
     chosen = released.chosen
     assert chosen is not None and chosen.family.optimizer_in_backward and chosen.family.precision == "fp32"
     assert chosen.accumulation_steps == 1 and chosen.family.drops_clipping
@@ -222,8 +222,8 @@ def test_the_planner_reaches_for_the_step_in_backward_then_16_bit_weights_then_8
 
 
 def test_the_planner_says_which_effective_batch_the_step_in_backward_fits(wide_plans: Callable[..., Plan]) -> None:
-    budget = 42_000_000
-    made = wide_plans(budget, length=128, batch=8, allow=Allowed(optimizer_in_backward=True))
+    budget = 22_000_000
+    made = wide_plans(budget, length=128, batch=8, allow=Allowed(optimizer_in_backward=True), suggest=False)
     assert made.chosen is None
     assert "full fine-tuning would fit at an effective batch of at most 2 with the optimizer step in " \
            "backward, which cannot accumulate" in made.verdict

@@ -17,8 +17,9 @@ from typing import Any
 
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_device, resolve_profile
+from memfit.errors import ConfigError
 from memfit.planner import Plan, plan
-from memfit.planner.allowed import Allowed
+from memfit.planner.allowed import NOTHING, Allowed
 from memfit.planner.report import checkpointing_argument
 from memfit.report import format_bytes
 
@@ -73,14 +74,21 @@ def _task(model: Any) -> tuple[str, int]:
 
 
 def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: int, seq_len: int,
-                           allow_lora: bool = False, allow_qlora: bool = False,
+                           allow_lora: bool = False, allow_qlora: bool = False, allow: Allowed = NOTHING,
                            device: str | DeviceProfile | None = None,
                            precisions: tuple[str, ...] | None = None) -> TrainerPlan:
     """The fastest setup of ``model`` that fits ``budget`` at ``effective_batch`` samples of ``seq_len`` tokens
     per optimizer step, on ``device`` (a profile name such as ``"1080ti"``; default: where the model is), as
     Trainer arguments; ``precisions``: only those (default: fp32 and the device's low precision). A model that
     already carries LoRA adapters or a quantised base is planned with them (:func:`model_technique`). Raises
-    :class:`~memfit.errors.ConfigError` with the planner's verdict when nothing fits."""
+    :class:`~memfit.errors.ConfigError` with the planner's verdict when nothing fits. ``allow``: the planner's
+    other opt-ins Trainer can run (8-bit states, freezing); 16-bit weights with Kahan summation, the step in
+    backward and memory on the host have no Trainer setting and are refused."""
+    if allow.bf16_true or allow.optimizer_in_backward or allow.offload:
+        raise ConfigError("Trainer has no setting for 16-bit weights with Kahan summation, the optimizer step in "
+                          "backward or memory on the host; plan without allow.bf16_true, optimizer_in_backward and "
+                          "offload, or train with memfit train")
+    allow = allow.union(Allowed(lora=allow_lora, qlora=allow_qlora))
     base = _base_model(model)
     profile = (device if isinstance(device, DeviceProfile) else resolve_profile(device) if device is not None
                else profile_for(resolve_device(next(base.parameters()).device.type)))
@@ -92,7 +100,7 @@ def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: in
         (Path(directory) / "config.json").write_text(json.dumps(config))
         made = plan(TrainConfig(model=directory, task=task, max_length=seq_len, effective_batch=effective_batch,
                                 **model_technique(model)),
-                    device=profile, budget=budget, seq_len=seq_len, allow=Allowed(lora=allow_lora, qlora=allow_qlora),
+                    device=profile, budget=budget, seq_len=seq_len, allow=allow,
                     num_labels=num_labels, suggest=False, precisions=precisions)
     with warnings.catch_warnings():  # its notes on wrapping the model are what the configs below do
         warnings.simplefilter("ignore")
@@ -151,8 +159,6 @@ def trainer_snippet(made: Plan) -> str:
 def plan_for_trainer(trainer: Any, *, budget: int, profile: DeviceProfile, seq_len: int) -> str:
     """One clause for an over-budget Trainer: the arguments of a plan that fits at its effective batch and in
     its precision."""
-    from memfit.errors import ConfigError
-
     args = trainer.args
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
     try:

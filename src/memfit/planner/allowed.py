@@ -4,6 +4,7 @@ the verdict alike (the CLI's ``--allow-*`` flags fill it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 FLAGS = {"freeze": "--allow-freeze", "eight_bit_optimizer": "--allow-8bit-optimizer", "offload": "--allow-offload",
          "lora": "--allow-lora", "qlora": "--allow-qlora", "bf16_true": "--allow-bf16-true",
@@ -38,6 +39,33 @@ class Allowed:
     def adapters(self) -> bool:
         return self.lora or self.qlora
 
+    @classmethod
+    def of(cls, config: Any) -> Allowed:
+        """The opt-ins a :class:`~memfit.config.TrainConfig` gives (its ``allow_*`` options)."""
+        return cls(**{name: getattr(config, option(name)) is True for name in FLAGS})
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The ``--allow-*`` flags given, in the order of fidelity."""
+        return tuple(FLAGS[item.name] for item in fields(self) if getattr(self, item.name))
+
+    def union(self, other: Allowed) -> Allowed:
+        return Allowed(**{name: getattr(self, name) or getattr(other, name) for name in FLAGS})
+
+
+def option(name: str) -> str:
+    """The training option of opt-in ``name``: ``allow_8bit_optimizer`` for ``eight_bit_optimizer``."""
+    return FLAGS[name].removeprefix("--").replace("-", "_")
+
 
 NOTHING = Allowed()
 """No opt-in: only accuracy-neutral setups."""
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """One line of a plan's advice: what an opt-in (or a technique) would need."""
+
+    line: str
+    fits: tuple[str, ...] | None = None
+    """The opt-in flags under which it would fit (``None``: it would not, or cannot be planned)."""

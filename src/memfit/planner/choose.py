@@ -11,11 +11,11 @@ from typing import Any
 from rich.console import Console
 
 from memfit.build import Prepared
-from memfit.config import DEVICES, TrainConfig
-from memfit.devices import DeviceProfile, profile_for, resolve_profile
-from memfit.errors import ConfigError, Problems
+from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig
+from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
+from memfit.errors import ConfigError, NothingFits, Problems
 from memfit.memory.estimate import Estimate, prepare_trace
-from memfit.planner.allowed import NOTHING, Allowed
+from memfit.planner.allowed import NOTHING, Advice, Allowed
 from memfit.planner.families import (
     CHECKPOINTING,
     Candidate,
@@ -50,15 +50,17 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     opt in to them; a table of one technique per cell)."""
     started = time.perf_counter()
     base = config or TrainConfig()
+    allow = allow.union(Allowed.of(base))  # a run's own --allow-* options
     base = dataclasses.replace(base, model=model or base.model, effective_batch=effective_batch or base.effective_batch,
                                micro_batch_size=None, accumulation_steps=None, budget=None, plan=None,
-                               world_size=gpus or base.world_size)
+                               world_size=gpus or base.world_size, device_profile=None).without_opt_ins()
     if base.world_size > 1 and base.distributed == "none":
         base = dataclasses.replace(base, distributed="auto")
     profile, budget_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
                                             allow_8bit=allow.eight_bit_optimizer,
                                             lora_rank=lora_rank if allow.adapters else None)
     inputs = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # errors now
+    given = allow.flags
     allow = asked_for(allow, base, precisions)
     spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
@@ -68,7 +70,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     chosen_precisions = tuple(sorted((p for p in named if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
     chosen, smallest = _neutral(search, base, profile, chosen_precisions, inputs.task)
-    advice: list[str] = []
+    advice: list[Advice] = []
     if chosen is None:
         chosen, advice = opt_ins(search, smallest, spec.num_layers, allow, suggest=suggest, task=inputs.task)
     if chosen is None and not base.lora_rank and base.world_size == 1 and (suggest or allow.adapters):
@@ -78,14 +80,14 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                            optimizers=("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",),
                            task=inputs.task)
     ranked = rank_candidates(search, chosen, allowed=lambda f: allow.permits(f.opt_ins))
-    verdict = verdict_line(chosen, smallest, advice, usable, budget_bytes, margin)
+    verdict = verdict_line(chosen, smallest, [item.line for item in advice], usable, budget_bytes, margin)
     length = seq_len or base.max_length
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
                 device=profile.name, device_description=profile.description, model=base.model,
                 effective_batch=base.effective_batch, sequence_length=None if spec.modality == "vision" else length,
                 image_size=(image_size or int(spec.hf_config.image_size)) if spec.modality == "vision" else None,
                 verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
-                config=base.to_dict())
+                config=base.to_dict(), fixes=[item.fits for item in advice if item.fits is not None], opt_ins=given)
 
 
 def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisions: tuple[str, ...],
@@ -124,8 +126,9 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
 
 
 def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Plan]:
-    """The config a run with ``--budget`` (plan now, for the device this run uses) or ``--plan`` (a saved
-    plan) trains with; the options the plan does not choose stay the run's."""
+    """The config a run with ``--budget`` (plan now, for the device this run uses, or the card of
+    ``--device-profile``) or ``--plan`` (a saved plan) trains with; the options the plan does not choose stay the
+    run's. Nothing allowed fits: :class:`~memfit.errors.NothingFits`, with what each opt-in would need."""
     config = prepared.config
     if config.plan is not None:
         made = load_plan(config.plan)
@@ -136,18 +139,62 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
             console.print(f"[yellow]note:[/] {config.plan} was planned for {made.device_description}; this run "
                           f"is on {prepared.device.describe()}")
     else:
-        named = config.device not in DEVICES  # --device 1080ti: plan for that card
-        target = resolve_profile(config.device) if named else profile_for(prepared.device)
-        made = plan(config, device=target, budget=config.budget, seq_len=config.max_length,
-                    num_labels=len(prepared.label_names), gpus=config.world_size, suggest=False,
-                    precisions=None if config.precision == "auto" else (config.precision,))
+        traces: dict[Any, Estimate] = {}  # shared by the two plans
+        made = _plan_now(prepared, console, suggest=False, cache=traces)
+        if made.chosen is None:  # what the opt-ins not given would need: the advice of memfit plan
+            made = _plan_now(prepared, console, suggest=True, cache=traces)
+            raise NothingFits(made.verdict, tuple(made.fixes))
     if made.chosen is None:
         raise ConfigError(made.verdict)
     if made.effective_batch != config.effective_batch and config.plan is not None:
         console.print(f"[yellow]note:[/] the plan's effective batch {made.effective_batch} replaces "
                       f"{config.effective_batch}")
     console.print(f"plan: {made.verdict} (planned in {made.seconds:.1f} s from {made.traces} traces)")
-    return made.to_config(base=config), made
+    planned = made.to_config(base=config)
+    if config.device_profile is not None:  # the card's plan, run here within the card's memory
+        planned = rehearsal(planned, made, device=prepared.device, console=console)
+    return planned, made
+
+
+def _plan_now(prepared: Prepared, console: Console, *, suggest: bool, cache: dict[Any, Estimate]) -> Plan:
+    config = prepared.config
+    if config.device_profile is not None:
+        target = resolve_profile(config.device_profile)
+    else:
+        named = config.device not in DEVICES  # --device 1080ti: plan for that card
+        target = resolve_profile(config.device) if named else profile_for(prepared.device)
+    if suggest:
+        console.print("nothing the run allows fits; tracing what the other opt-ins would need ...")
+    return plan(config, device=target, budget=config.budget, seq_len=config.max_length,
+                num_labels=len(prepared.label_names), gpus=config.world_size, suggest=suggest, cache=cache,
+                lora_rank=PLANNED_LORA_RANK, precisions=None if config.precision == "auto" else (config.precision,))
+
+
+def rehearsal(planned: TrainConfig, made: Plan, *, device: Device, console: Console) -> TrainConfig:
+    """A card's plan run on this machine (``--device-profile``): the card's memory (or the budget) emulated as
+    the limit. Without CUDA, what the plan moves to the host stays there already (the optimizer, the saved
+    activations, paged 8-bit states run unpaged), and fp16 planned for a card without bf16 runs, slowly."""
+    assert made.chosen is not None
+    console.print(f"[yellow]note:[/] rehearsing the plan for {made.device_description} on {device.describe()}, "
+                  f"{format_bytes(made.budget_bytes)} emulated; the peak measured here is this machine's (the "
+                  f"card's is predicted at {format_bytes(made.chosen.predicted_peak_bytes or 0)})")
+    emulated = dataclasses.replace(planned, emulate_budget=f"{made.budget_bytes}B")
+    if device.kind == "cuda":
+        return emulated
+    host = [name for name, moved in (("the optimizer", planned.offload_optimizer),
+                                     ("the saved activations", planned.offload_activations),
+                                     ("paged 8-bit states", planned.optimizer == "paged-adamw8bit")) if moved]
+    if host:
+        console.print(f"[yellow]note:[/] {' and '.join(host)} on the host as planned for the card: without CUDA "
+                      "everything is in host memory already")
+        emulated = dataclasses.replace(emulated, offload_optimizer=False, offload_activations=False,
+                                       optimizer="adamw8bit" if planned.optimizer == "paged-adamw8bit"
+                                       else planned.optimizer)
+    if planned.precision == "fp16":
+        console.print("[yellow]note:[/] fp16 as planned for the card; on this CPU it runs, about 20x slower than "
+                      "fp32")
+        emulated = dataclasses.replace(emulated, force_cpu_fp16=True)
+    return emulated
 
 
 def _checked_inputs(base: TrainConfig, device: str | DeviceProfile, budget: str | int | None, margin: float, *,
@@ -197,7 +244,7 @@ def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> in
 
 
 def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
-              rank: int, advice: list[str], optimizers: tuple[str, ...], task: str) -> Candidate | None:
+              rank: int, advice: list[Advice], optimizers: tuple[str, ...], task: str) -> Candidate | None:
     """When no full fine-tuning fits: LoRA, then QLoRA (``stages``: which the user allows). Each says what it
     needs at least (micro-batch 1, full checkpointing, the leanest precision); the first allowed one that fits
     is searched like the neutral families and its fastest setup chosen."""
@@ -205,7 +252,7 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
         flag = f"--allow-{technique}"
         problem = adapter_problem(technique, profile)
         if problem:
-            advice.append(f"{flag}: {problem}")
+            advice.append(Advice(f"{flag}: {problem}"))
             continue
         quantized = "nf4" if technique == "qlora" else "none"
         families = with_chunked_loss([
@@ -214,8 +261,9 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
         need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1],
                                                           kernels=default_kernels(optimizers[-1], "none", profile)), 1)
-        advice.append(f"{flag} (r={rank}) {'would fit' if need.fits else 'would not fit either'}: it needs at least "
-                      f"{format_bytes(need.predicted_peak_bytes or 0)}")
+        advice.append(Advice(f"{flag} (r={rank}) {'would fit' if need.fits else 'would not fit either'}: it needs "
+                             f"at least {format_bytes(need.predicted_peak_bytes or 0)}",
+                             fits=need.family.opt_ins if need.fits else None))
         if need.fits and allowed:
             search.search(families)
             chosen = search.best(confirmed=True, where=lambda f, t=technique: f.technique == t)  # type: ignore[misc]

@@ -137,6 +137,10 @@ class Candidate:
     """Predicted samples/s relative to the chosen setup."""
     world_size: int = 1
     """Ranks whose windows make one optimizer step (1 unless the family is distributed)."""
+    trainable_parameters: int = 0
+    """Parameters the setup trains (adapters only, with LoRA), from its trace; 0 when not traced."""
+    parameters: int = 0
+    """All parameters of the model (frozen and quantized ones too), from its trace."""
 
     @property
     def global_batch(self) -> int:
@@ -160,7 +164,8 @@ class Candidate:
                 "predicted_samples_per_second": self.predicted_samples_per_second,
                 "predicted_optimizer_steps_per_second": self.predicted_samples_per_second / self.global_batch,
                 "relative_speed": self.relative_speed, "exact": self.exact, "fits": self.fits,
-                "reason": self.reason}
+                "reason": self.reason, "technique": self.family.technique, "opt_ins": list(self.family.opt_ins),
+                "trainable_parameters": self.trainable_parameters, "parameters": self.parameters}
 
     def describe(self) -> str:
         freeze = "" if self.family.freeze == "none" else f", freeze {self.family.freeze}"

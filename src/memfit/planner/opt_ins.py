@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.devices import DeviceProfile
-from memfit.planner.allowed import Allowed
+from memfit.planner.allowed import Advice, Allowed
 from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, with_chunked_loss
 from memfit.planner.search import Search
 from memfit.report import format_bytes
@@ -107,11 +107,12 @@ def _freezing(part: str) -> Change:
 
 
 def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: Allowed, *, suggest: bool,
-            task: str) -> tuple[Candidate | None, list[str]]:
+            task: str) -> tuple[Candidate | None, list[Advice]]:
     """The fastest setup of the first allowed opt-in that fits, or ``None``; and what each one tried needs at
     least (``suggest=False``: only the allowed ones are tried)."""
     assert smallest is not None
-    bases, advice = [smallest.family], []
+    bases: list[Family] = [smallest.family]
+    advice: list[Advice] = []
     for stage in stages(search, num_layers, allow):
         if not (stage.allowed or suggest):
             continue
@@ -121,14 +122,14 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
         families = with_chunked_loss([dataclasses.replace(family, checkpointing=c) for family in changed
                                       for c in CHECKPOINTING], search.base, task)
         try:
-            fits, line = _need(search, stage.flag, families)
+            need = _need(search, stage.flag, families)
         except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest
             if not any("8bit" in family.optimizer for family in changed):
                 raise
-            advice.append(f"{stage.flag} could not be traced ({type(error).__name__}); it is not planned")
+            advice.append(Advice(f"{stage.flag} could not be traced ({type(error).__name__}); it is not planned"))
             continue
-        advice.append(line)
-        if fits and stage.allowed:
+        advice.append(need)
+        if need.fits and stage.allowed:
             search.search(families)
             chosen = search.best(confirmed=True, where=lambda family: allow.permits(family.opt_ins))
             if chosen is not None:
@@ -136,32 +137,33 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
         if stage.allowed and stage.builds:
             bases = [*bases, *changed] if stage.beside else changed
     if optimizer_problems("adamw8bit"):
-        advice.append("--allow-8bit-optimizer needs bitsandbytes (pip install 'memfit[lora]') to be planned")
+        advice.append(Advice("--allow-8bit-optimizer needs bitsandbytes (pip install 'memfit[lora]') to be planned"))
     elif problem := bitsandbytes_problem(search.profile):
-        advice.append(f"--allow-8bit-optimizer: {problem}")
+        advice.append(Advice(f"--allow-8bit-optimizer: {problem}"))
     if not search.profile.has_native_bf16 and (allow.bf16_true or suggest):
-        advice.append(f"--allow-bf16-true: {search.profile.description} has no native bf16")
+        advice.append(Advice(f"--allow-bf16-true: {search.profile.description} has no native bf16"))
     return None, advice
 
 
-def _need(search: Search, flag: str, families: list[Family]) -> tuple[bool, str]:
-    """(whether the least of ``families`` fits the budget at this effective batch, the advice line): fully
+def _need(search: Search, flag: str, families: list[Family]) -> Advice:
+    """Whether the least of ``families`` fits the budget at this effective batch, and the advice line: fully
     checkpointed, micro-batch 1 (a step in backward: the whole window; when that does not fit, the largest
     window that does)."""
     least = [family for family in families if family.checkpointing == "full"]
     needs = [search.exact_candidate(family, search.least_micro(family)) for family in least]
     best = min(needs, key=lambda candidate: candidate.predicted_peak_bytes or 0)
     if best.fits:
-        return True, f"{flag} would fit: it needs at least {format_bytes(best.predicted_peak_bytes or 0)}"
+        return Advice(f"{flag} would fit: it needs at least {format_bytes(best.predicted_peak_bytes or 0)}",
+                      fits=best.family.opt_ins)
     released = [family for family in least if family.optimizer_in_backward]
     windows = [search.largest_window(family) for family in released]
     largest = max((window[0] for window in windows), default=0)
     if largest:
-        return False, (f"{flag}: full fine-tuning would fit at an effective batch of at most {largest} with the "
-                       "optimizer step in backward, which cannot accumulate (at "
-                       f"{search.effective} it needs {format_bytes(best.predicted_peak_bytes or 0)})")
+        return Advice(f"{flag}: full fine-tuning would fit at an effective batch of at most {largest} with the "
+                      "optimizer step in backward, which cannot accumulate (at "
+                      f"{search.effective} it needs {format_bytes(best.predicted_peak_bytes or 0)})")
     floor = min([best.predicted_peak_bytes or 0, *(window[1].total_bytes for window in windows)])
-    return False, f"{flag} would not fit either: it needs at least {format_bytes(floor)}"
+    return Advice(f"{flag} would not fit either: it needs at least {format_bytes(floor)}")
 
 
 BITSANDBYTES_CAPABILITY = (6, 0)

@@ -53,6 +53,15 @@ class Plan:
     seconds: float
     config: dict[str, Any] = field(default_factory=dict)
     """The base training options the plan was made for (its own choices applied by :meth:`to_config`)."""
+    fixes: list[tuple[str, ...]] = field(default_factory=list)
+    """When nothing allowed fits: the opt-in flag sets under which a setup would, least change first."""
+    opt_ins: tuple[str, ...] = ()
+    """The ``--allow-*`` flags the plan was made with."""
+
+    @property
+    def allowed_by(self) -> tuple[str, ...]:
+        """The opt-ins the chosen setup uses (none when it is accuracy-neutral or what the run itself asked)."""
+        return tuple(flag for flag in self.chosen.family.opt_ins if flag in self.opt_ins) if self.chosen else ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen.to_dict() if self.chosen else None,
@@ -61,12 +70,15 @@ class Plan:
                 "device": self.device, "device_description": self.device_description, "model": self.model,
                 "effective_batch": self.effective_batch, "sequence_length": self.sequence_length,
                 "image_size": self.image_size, "verdict": self.verdict, "traces": self.traces,
-                "seconds": self.seconds, "config": self.config}
+                "seconds": self.seconds, "config": self.config, "fixes": [list(flags) for flags in self.fixes],
+                "opt_ins": list(self.opt_ins)}
 
     def summary(self) -> dict[str, Any]:
         """The chosen setup as planned, the budget and the verdict (what a run's summary keeps)."""
         return {"chosen": self.chosen.to_dict() if self.chosen else None, "budget_bytes": self.budget_bytes,
-                "usable_bytes": self.usable_bytes, "device": self.device, "verdict": self.verdict}
+                "usable_bytes": self.usable_bytes, "device": self.device, "verdict": self.verdict,
+                "technique": self.chosen.family.technique_label if self.chosen else None,
+                "opt_ins": list(self.opt_ins), "allowed_by": list(self.allowed_by)}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -75,7 +87,8 @@ class Plan:
         """The training config that runs the chosen setup (``base``: the plan's own options)."""
         if self.chosen is None:
             raise ConfigError(self.verdict)
-        base = dataclasses.replace(base or from_mapping(self.config), budget=None, plan=None)
+        base = dataclasses.replace(base or from_mapping(self.config), budget=None, plan=None,
+                                   device_profile=None).without_opt_ins()
         return self.chosen.family.configure(base, micro_batch_size=self.chosen.micro_batch_size,
                                             effective_batch=self.effective_batch)
 
@@ -109,9 +122,10 @@ class Plan:
             warnings.warn("the plan keeps the optimizer's state on the host: Trainer does that only through "
                           "DeepSpeed (ZeRO stage 2 with offload_optimizer device 'cpu'); or train with memfit "
                           "--offload-optimizer", stacklevel=2)
-        if family.precision == "bf16-true" or family.optimizer_in_backward:
+        if family.precision == "bf16-true" or family.optimizer_in_backward or family.offload_activations:
             what = "16-bit weights (--precision bf16-true)" if family.precision == "bf16-true" else \
-                "the optimizer step inside backward (--optimizer-in-backward)"
+                "the optimizer step inside backward (--optimizer-in-backward)" if family.optimizer_in_backward \
+                else "the saved activations on the host (--offload-activations)"
             raise ConfigError(f"the plan trains with {what}, which Trainer has no setting for; train it with "
                               "memfit train --plan, or plan for Trainer without that opt-in")
         optim = {"adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
@@ -146,7 +160,8 @@ def load_plan(path: str | Path) -> Plan:
                     **{name: raw[name] for name in ("budget_bytes", "usable_bytes", "margin", "device",
                                                      "device_description", "model", "effective_batch",
                                                      "sequence_length", "image_size", "verdict", "traces",
-                                                     "seconds", "config")})
+                                                     "seconds", "config")},
+                    fixes=[tuple(flags) for flags in raw.get("fixes", [])], opt_ins=tuple(raw.get("opt_ins", [])))
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: no such file; make one with memfit plan ... --save {path}") from None
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -172,7 +187,8 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
                      predicted_samples_per_second=raw["predicted_samples_per_second"], exact=raw["exact"],
                      fits=raw["fits"], reason=raw["reason"], relative_speed=raw["relative_speed"],
-                     world_size=raw.get("world_size", 1))
+                     world_size=raw.get("world_size", 1), trainable_parameters=raw.get("trainable_parameters", 0),
+                     parameters=raw.get("parameters", 0))
 
 
 def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callable[[Family], bool]) -> list[Candidate]:
@@ -217,10 +233,10 @@ def verdict_line(chosen: Candidate | None, smallest: Candidate | None, advice: l
     if chosen is not None:
         why = ""
         if smallest is not None:  # an opt-in was needed: what the more faithful setups needed
-            why = (f" (full fine-tuning needs at least {format_bytes(smallest.predicted_peak_bytes or 0)}; "
-                   + "; ".join(advice) + ")")
+            why = " (" + "; ".join([f"full fine-tuning needs at least "
+                                    f"{format_bytes(smallest.predicted_peak_bytes or 0)}", *advice]) + ")"
         return (f"{chosen.describe()} fits {where}: needs {format_bytes(chosen.predicted_peak_bytes or 0)}, "
                 f"predicted {chosen.predicted_samples_per_second:.1f} samples/s{why}")
     assert smallest is not None
-    return (f"nothing fits {where}: the smallest any allowed setup needs is "
-            f"{format_bytes(smallest.predicted_peak_bytes or 0)} ({smallest.describe()}); " + "; ".join(advice))
+    return "; ".join([f"nothing fits {where}: the smallest any allowed setup needs is "
+                      f"{format_bytes(smallest.predicted_peak_bytes or 0)} ({smallest.describe()})", *advice])

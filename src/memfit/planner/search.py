@@ -185,7 +185,8 @@ class Search:
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
-                              fits=peak <= self.usable, world_size=self.ranks(family))
+                              fits=peak <= self.usable, world_size=self.ranks(family),
+                              trainable_parameters=trace.trainable_parameters, parameters=trace.parameters)
         self.candidates[(family, micro)] = candidate
         return candidate
 
