@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The package metadata keeps a range (torch>=2.4) for real users.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo demo-llm test lint install clean
+.PHONY: demo demo-llm test test-fast lint install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ demo: $(STAMP)
 demo-llm: $(STAMP)
 	$(BIN)/memfit train --model smollm2-135m --data rotten-tomatoes-sft --eval-before --max-length 128 \
 		--effective-batch 32 --micro-batch-size 8 --precision bf16 --lr 1e-4 --output-dir runs/demo-llm --overwrite
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

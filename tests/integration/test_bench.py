@@ -14,7 +14,8 @@ from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
 from tests.helpers import memfit
 
-pytestmark = pytest.mark.xdist_group("bench")  # its tests share one run (session-scoped: never rebuilt when
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench")]
+# its tests share one run (session-scoped: never rebuilt when
 # another module's tests run between them on the same worker)
 
 REQUIRED = {"setup", "accuracy_neutral", "micro_batch_size", "accumulation_steps", "peak_memory_bytes",

@@ -51,6 +51,7 @@ def test_train_writes_metrics_summary_and_a_loadable_model(tiny_bert: Path, revi
     assert logits.shape == (1, 2)
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses(tiny_bert: Path, reviews_csv: Path, tmp_path: Path) -> None:
     losses = []
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
@@ -151,6 +152,7 @@ def test_a_bad_budget_is_refused_before_anything_runs(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_every_command_prints_only_memfit_lines(tiny_bert: Path, reviews_csv: Path, tmp_path: Path) -> None:
     """No third-party notes (torchao's optional kernels, torch's pytree deprecations, transformers' warnings)
     reach the user: each command runs in a fresh process, where such notes are printed once at import."""

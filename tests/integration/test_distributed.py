@@ -25,7 +25,7 @@ from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
 from tests.helpers import assert_weights_close, train_losses
 
-pytestmark = pytest.mark.xdist_group("distributed")  # its tests share module-scoped runs
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]  # its tests share module-scoped runs
 
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
 TRAINING_PHASES = ("forward", "backward", "optimizer")

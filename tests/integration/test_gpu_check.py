@@ -9,6 +9,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a minute or more of CPU: outside make test-fast
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,6 +12,8 @@ from memfit.memory.estimate import estimate
 from tests.conftest import write_long_text_task
 from tests.helpers import in_process, memfit
 
+pytestmark = pytest.mark.slow  # a minute or more of CPU: outside make test-fast
+
 PLAN_KEYS = {"chosen", "candidates", "budget_bytes", "device"}
 CHOSEN_KEYS = {"micro_batch_size", "accumulation_steps", "precision", "checkpointing", "optimizer",
                "predicted_peak_bytes", "predicted_samples_per_second"}

@@ -26,6 +26,8 @@ from memfit.cli import main
 from tests.conftest import TINY_BERT, write_model_dir, write_pairs, write_reviews, write_tiny_llm
 from tests.helpers import assert_weights_close, read_metrics
 
+pytestmark = pytest.mark.slow  # a minute or more of CPU: outside make test-fast
+
 DRIVER = Path(__file__).with_name("interrupt_driver.py")
 TIMING = ("samples_per_second", "step_seconds", "memory_bytes", "peak_memory_bytes", "rss_bytes")
 VARIANTS = {  # name: (extra options, interruption, expected exit code of the interrupted process)

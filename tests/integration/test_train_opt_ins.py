@@ -58,6 +58,7 @@ def test_train_takes_every_opt_in_plan_takes(capsys: pytest.CaptureFixture[str])
         assert Allowed.of(config) == Allowed(**{name: True})
 
 
+@pytest.mark.slow
 def test_nothing_fits_names_the_opt_in_and_the_command_that_trains_with_it(
         task: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     refused = in_process(train_args(task, tmp_path / "refused", "--budget", "17MiB", "--device", "cpu"), capsys)
@@ -90,6 +91,7 @@ def test_nothing_fits_names_the_opt_in_and_the_command_that_trains_with_it(
     assert measured == estimate(run, device="cpu", padded=False).phases
 
 
+@pytest.mark.slow
 def test_a_cards_qlora_plan_dry_runs_and_rehearses_here(task: tuple[Path, Path], tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """The 1080 Ti's plan with --allow-qlora only: planned, shown, nothing written (--dry-run); then rehearsed on

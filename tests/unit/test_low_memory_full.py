@@ -190,6 +190,7 @@ def wide_plans(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Plan]:
     return planned
 
 
+@pytest.mark.slow
 def test_the_planner_reaches_for_the_step_in_backward_then_16_bit_weights_then_8_bit_states(
         wide_plans: Callable[..., Plan], tmp_path: Path) -> None:
     need = wide_plans(2 * 10**9).chosen.predicted_peak_bytes  # type: ignore[union-attr]

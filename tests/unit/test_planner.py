@@ -137,6 +137,7 @@ def test_every_exact_row_on_a_card_is_what_memfit_estimate_says(model_dir: Path)
             assert estimated.total_bytes == candidate.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_nothing_fits_names_the_smallest_need_and_the_opt_in(model_dir: Path, traces: dict[Any, Estimate]) -> None:
     result = cpu_plan(model_dir, traces, 600_000)
     assert result.chosen is None
@@ -239,6 +240,7 @@ def test_plan_takes_the_effective_batch_of_its_config_file(tmp_path: Path, capsy
     assert json.loads(capsys.readouterr().out)["effective_batch"] == 2
 
 
+@pytest.mark.slow
 def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path: Path) -> None:
     """Weights dominate this model: full fine-tuning needs the most, LoRA less, LoRA on an NF4 base least.
     Each opt-in is taken only when the more faithful setups do not fit, and only if allowed."""
