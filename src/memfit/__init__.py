@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from memfit.config import TrainConfig
-from memfit.errors import ConfigError, DataError, MemfitError, TrainingError
+from memfit.dependencies import check_transformers
+from memfit.errors import ConfigError, DataError, MemfitError, OverBudget, PredictionUnavailable, TrainingError
 
 if TYPE_CHECKING:
     from memfit import memory
@@ -33,10 +34,12 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'memfit' has no attribute {name!r}")
     module_name, attribute = _LAZY[name]
+    check_transformers()  # a clear error, not a failure deep in an older transformers
     module = importlib.import_module(module_name)
     return module if attribute is None else getattr(module, attribute)
 
 
-__all__ = ["ConfigError", "DataError", "DryRun", "Estimate", "MemfitError", "Plan", "Summary", "TrainConfig",
-           "TrainingError", "dry_run", "estimate", "load_plan", "load_quantized", "memory", "plan", "train"]
+__all__ = ["ConfigError", "DataError", "DryRun", "Estimate", "MemfitError", "OverBudget", "Plan",
+           "PredictionUnavailable", "Summary", "TrainConfig", "TrainingError", "dry_run", "estimate", "load_plan",
+           "load_quantized", "memory", "plan", "train"]
 __version__ = "0.1.0"

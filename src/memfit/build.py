@@ -91,7 +91,7 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
                                              offload=config.offload_optimizer))
     problems.lines.extend(activation_offload_problems(config.offload_activations,
                                                       device.kind if device is not None else None))
-    spec = problems.collect(lambda: resolve_model(config.model, log=log))
+    spec = problems.collect(lambda: resolve_model(config.model, weights=True, log=log))
     task = resolve_task(config, spec)
     problems.lines.extend(packing_problems(config.packing, task, spec.hf_config if spec is not None else None))
     data_problems = Problems()

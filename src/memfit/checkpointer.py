@@ -53,8 +53,10 @@ def progress(run: Run) -> dict[str, Any]:
     return {**run.state.state_dict(), **run.recovery.state_dict(), "metrics_bytes": run.reporter.metrics.offset}
 
 
-def save(run: Run, *, partial: PartialWindow | None = None, rng: dict[str, Any] | None = None) -> Path:
-    """A checkpoint of the run as it stands; ``partial``: inside a window, with its gradients so far.
+def save(run: Run, *, partial: PartialWindow | None = None, rng: dict[str, Any] | None = None,
+         optimizer_state: dict[str, Any] | None = None) -> Path:
+    """A checkpoint of the run as it stands; ``partial``: inside a window, with its gradients so far;
+    ``optimizer_state``: the optimizer's state to save instead of its current one (a step that failed).
     Distributed, every rank saves together (a collective), never inside a window."""
     config = run.config
     if run.world.distributed:
@@ -66,7 +68,8 @@ def save(run: Run, *, partial: PartialWindow | None = None, rng: dict[str, Any] 
             config=config.to_dict(), model_architecture=run.architecture, keep_last=config.keep_last,
             rank=run.world.rank, world_size=run.world.world_size, rng=checkpoints.rng_state(run.device))
     state: dict[str, Any] = {
-        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+        "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+        "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict() if run.scaler is not None else {},
         "rng": rng or checkpoints.rng_state(run.device), "rng_window_start": run.recovery.window_rng,
         "order": torch.tensor(run.order, dtype=torch.int64),

@@ -6,6 +6,7 @@ User mistakes print one line per problem and exit 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -27,10 +28,11 @@ from memfit.config import (
     from_mapping,
     load_config_file,
 )
+from memfit.dependencies import check_transformers
 from memfit.errors import ConfigError, MemfitError, NothingFits
 from memfit.names import BUILTIN_DATASETS as BUILTIN
-from memfit.names import PRESETS, PROFILES
-from memfit.views import print_devices, print_estimate, print_plan, print_quantize
+from memfit.names import DATA_FORMATS, PRESETS, PROFILES
+from memfit.views import print_cached_models, print_devices, print_estimate, print_plan, print_quantize
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,10 +60,15 @@ def add_train_options(parser: argparse.ArgumentParser, *, for_estimate: bool = F
 def _model_and_data_options(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     """The model, the data and how texts are cut."""
     data = parser.add_argument_group("model and data")
-    data.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or local HF model directory "
-                                      f"[{defaults.model}]")
-    data.add_argument("--data", help=f"built-in ({', '.join(BUILTIN)}), a .csv/.jsonl file, or an image folder "
+    data.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), local HF model directory, or Hub id "
+                                      f"org/name[@revision] (local cache first) [{defaults.model}]")
+    data.add_argument("--data", help=f"built-in ({', '.join(BUILTIN)}), a .csv/.jsonl/.json/.parquet file, a "
+                                     "Parquet or save_to_disk folder, a Hub dataset id, or an image folder "
                                      f"[{defaults.data}]")
+    data.add_argument("--data-split", help=f"split of a Hub dataset or saved DatasetDict [{defaults.data_split}]")
+    data.add_argument("--data-config", help="configuration (subset) of a Hub dataset that has several")
+    data.add_argument("--data-format", choices=DATA_FORMATS, help="how a table's rows become examples [auto: "
+                                                                  "recognised from the columns]")
     data.add_argument("--task", choices=TASKS, help="classification, or causal-LM fine-tuning on instruction "
                                                     "data [auto: causal-lm for prompt/completion or messages data "
                                                     "and for decoder LLMs]")
@@ -431,7 +438,8 @@ def build_parser() -> Parser:
                                                           "chat template)")
     generate.add_argument("--max-new-tokens", type=int, default=64, help="[64]")
     _bool_flag(generate, "raw", "feed the prompt as it is, without the chat template [off]")
-    commands.add_parser("models", help="list the model presets")
+    commands.add_parser("models", help="list the model presets and the models in the local Hugging Face "
+                                         "cache")
     commands.add_parser("devices", help="list the device profiles")
     return parser
 
@@ -535,11 +543,13 @@ def with_command(error: NothingFits, words: list[str], *, given: tuple[str, ...]
 def run_listing(args: argparse.Namespace) -> int:
     if args.command == "models":
         print("\n".join(PRESETS))
+        print_cached_models()
     else:
         print_devices(Console())
     return 0
 
 
+LISTINGS = ("models", "devices")
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": run_train, "estimate": run_estimate, "plan": run_plan, "generate": run_generate, "eval": run_eval,
     "quantize": run_quantize, "models": run_listing, "devices": run_listing}
@@ -550,9 +560,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.words = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.command == "bench":
-            return run_bench_command(args, argv)
-        return COMMANDS[args.command](args)
+        check_transformers()  # one line naming the upgrade, before anything imports an older one
+        with _quiet(args.command):
+            if args.command == "bench":
+                return run_bench_command(args, argv)
+            return COMMANDS[args.command](args)
     except MemfitError as error:
         for line in error.problems:
             sys.stderr.write(f"memfit: {error.label}: {line}\n")
@@ -560,6 +572,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("memfit: interrupted\n")
         return 130
+
+
+def _quiet(command: str) -> contextlib.AbstractContextManager[None]:
+    """transformers' own warnings and progress bars stay out of memfit's output (the listings never load it)."""
+    if command in LISTINGS:
+        return contextlib.nullcontext()
+    from memfit.quiet import quiet_transformers
+
+    return quiet_transformers()
 
 
 def run() -> NoReturn:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.errors import ConfigError, Problems
 from memfit.files import load_option_file
+from memfit.names import DATA_FORMATS
 from memfit.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -41,9 +42,19 @@ PLANNED_LORA_RANK = 16
 class TrainConfig:
     # --- model and data ---
     model: str = "minilm"
-    """A preset name (``memfit models``) or a local Hugging Face model directory."""
+    """A preset name (``memfit models``), a local Hugging Face model directory, or a Hub id
+    (``org/name[@revision]``, read from the local cache first)."""
     data: str = "rotten-tomatoes"
-    """A built-in dataset name, a CSV/JSONL file, or an image folder with one subfolder per class."""
+    """A built-in dataset name, a table (CSV, JSON Lines, JSON array or Parquet file; a folder of Parquet files; a
+    ``datasets`` directory saved with ``save_to_disk``; a Hub dataset id ``org/name``), or an image folder with one
+    subfolder per class."""
+    data_split: str = "train"
+    """The split of a Hub dataset or a saved ``DatasetDict`` to train on (memfit holds out its own validation)."""
+    data_config: str | None = None
+    """The configuration (subset) of a Hub dataset that has several."""
+    data_format: str = "auto"
+    """``auto | alpaca | sharegpt | messages | prompt-completion | text-label``: how a table's rows become
+    examples; auto recognises it from the columns (:mod:`memfit.data.formats`)."""
     task: str = "auto"
     """``classification | causal-lm | auto``. auto: causal-LM fine-tuning for instruction data
     (prompt/completion or messages) and for decoder LLMs (the LLM presets, ``*ForCausalLM`` directories);
@@ -242,6 +253,7 @@ class TrainConfig:
         _check_choice(problems, "checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice(problems, "optimizer", self.optimizer, OPTIMIZERS)
         _check_choice(problems, "task", self.task, TASKS)
+        _check_choice(problems, "data_format", self.data_format, DATA_FORMATS)
         _check_distributed(problems, self)
         _check_step_kernels(problems, self)
         _check_low_memory_full(problems, self)
@@ -305,7 +317,8 @@ class TrainConfig:
         from memfit.data import Columns
 
         return Columns(text=self.text_column, label=self.label_column, prompt=self.prompt_column,
-                       completion=self.completion_column, messages=self.messages_column)
+                       completion=self.completion_column, messages=self.messages_column,
+                       data_format=self.data_format, split=self.data_split, subset=self.data_config)
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

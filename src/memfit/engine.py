@@ -8,6 +8,7 @@ save; evaluate after each epoch -> :func:`finish`: save the model and the summar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -31,18 +32,20 @@ from memfit.memory.monitor import PHASES, Monitor, StepTimeline
 from memfit.memory.tracker import OUT_OF_MEMORY
 from memfit.models import count_parameters
 from memfit.planner import Plan
+from memfit.quiet import quiet_transformers
 from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.resolved import config_rows, prepare_planned
 from memfit.run import Run
 from memfit.step import optimizer_step
 from memfit.techniques.lora import save_merged
 from memfit.techniques.offload_activations import ActivationOffload
-from memfit.techniques.oom import OomRecovery
+from memfit.techniques.oom import OomRecovery, StepWatch, oom_message
 from memfit.techniques.optim import build_scheduler
 from memfit.techniques.stability import StepCheck
 from memfit.windows import PartialWindow, WindowResult, evaluate, window_runner
 
 
+@quiet_transformers()
 def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     """Fine-tune ``config.model`` on ``config.data``; write metrics, summary and model; return the summary."""
     started = time.perf_counter()
@@ -81,8 +84,7 @@ def loop(run: Run) -> None:
             run.timeline.start_before(state.position.step + 1)
             started = time.perf_counter()
             loss, items = run_window(run, window)  # forward + backward; gradients accumulate in .grad
-            check = optimizer_step(run.optimizer, run.trained, loss, scaler=run.scaler,
-                                   max_grad_norm=config.max_grad_norm, scheduler=run.scheduler, phases=run.monitor)
+            check = step_optimizer(run, loss)  # unscale, check, clip, step; an OOM here stops the run
             del loss  # not alive into the next window (the estimator's trace frees it there too)
             seconds = time.perf_counter() - started
             state.finish_window(len(window), items, check, seconds=seconds)
@@ -129,6 +131,38 @@ def run_window(run: Run, window: list[int]) -> tuple[torch.Tensor, int]:
         raise checkpointer.stopped(run, checkpointer.save(run, partial=partial))
     run.partial = None
     return result.loss, result.items
+
+
+def step_optimizer(run: Run, loss: torch.Tensor) -> StepCheck:
+    """The window's optimizer step. An OOM in it stops the run (:mod:`memfit.techniques.oom`): with a checkpoint
+    of the run as it was before the step if the step had changed nothing yet."""
+    watch = None if run.world.distributed or run.config.optimizer_in_backward else \
+        StepWatch(run.optimizer, [parameter for _, parameter in run.trained])
+    try:
+        with watch or contextlib.nullcontext():
+            return optimizer_step(run.optimizer, run.trained, loss, scaler=run.scaler,
+                                  max_grad_norm=run.config.max_grad_norm, scheduler=run.scheduler,
+                                  phases=run.monitor)
+    except OUT_OF_MEMORY as error:  # (the failed step's tensors go with the exception, before any saving)
+        message = oom_message(error)
+    raise optimizer_oom(run, watch, message)
+
+
+def optimizer_oom(run: Run, watch: StepWatch | None, message: str) -> TrainingError:
+    """The error that stops a run whose optimizer step ran out of memory, after saving the run as it was before
+    the step when the step had not written to it yet (``watch``; ``None``: distributed, or stepped in
+    backward, where no such state is left)."""
+    failed = f"step {run.state.position.step + 1}: out of memory in the optimizer step ({message})"
+    leaner = ("a leaner optimizer: --offload-optimizer (CUDA), --optimizer adamw8bit, LoRA (--lora-rank), "
+              "--train-top-layers, or a smaller model (memfit plan)")
+    if watch is None or watch.wrote:
+        why = "it had updated part of the model" if watch is not None else "a distributed run, or a step in backward"
+        return TrainingError(f"{failed}; no checkpoint of the run before it can be saved ({why}): resume from the "
+                             f"last --save-every one, or start again, with {leaner}")
+    # the window starts again on resume: its samples, its random state, the weights and state before the step
+    path = checkpointer.save(run, rng=run.recovery.window_rng, optimizer_state=watch.state_before)
+    return TrainingError(f"{failed}; the run before that step is saved to {path}: continue with --resume once the "
+                         f"step fits (--no-foreach, or free the device's memory), or start again with {leaner}")
 
 
 def log_step(run: Run, epoch: int, check: StepCheck, samples: int, seconds: float) -> None:

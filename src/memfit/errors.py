@@ -8,7 +8,7 @@ traceback. ``assert`` is reserved for internal invariants.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -51,6 +51,25 @@ class TrainingError(MemfitError):
     """A run that had to stop (for example after repeated non-finite steps); exit code 1."""
 
     exit_code = 1
+
+
+class OverBudget(MemfitError, RuntimeError):
+    """A training step predicted over its memory budget, stopped before it ran (memfit's Trainer callback):
+    ``predicted`` (the traced step's :class:`~memfit.memory.estimate.StepPeak`), ``budget_bytes`` and
+    ``advice`` (a setup that fits, or why there is none); the message is one line."""
+
+    def __init__(self, line: str, *, predicted: Any, budget_bytes: int, advice: str) -> None:
+        super().__init__(line)
+        self.predicted, self.budget_bytes, self.advice = predicted, budget_bytes, advice
+
+
+class PredictionUnavailable(MemfitError, RuntimeError):
+    """A memory budget that cannot be checked, because the step could not be predicted (``reason``, one line:
+    a model the trace cannot run, a device memfit does not support)."""
+
+    def __init__(self, line: str, *, reason: str) -> None:
+        super().__init__(line)
+        self.reason = reason
 
 
 class Interrupted(MemfitError):

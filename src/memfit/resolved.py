@@ -13,6 +13,7 @@ from memfit.build import Prepared, prepare
 from memfit.config import TrainConfig
 from memfit.errors import ConfigError
 from memfit.planner import Plan, plan_for_run
+from memfit.quiet import quiet_transformers
 from memfit.report import config_table, format_bytes
 from memfit.techniques.bf16_true import uses_kahan
 from memfit.techniques.optim import step_kernels
@@ -38,6 +39,7 @@ def prepare_planned(config: TrainConfig, console: Console) -> tuple[Prepared, Pl
     return prepare(planned), plan
 
 
+@quiet_transformers()
 def dry_run(config: TrainConfig, *, console: Console | None = None) -> DryRun:
     """Plan ``config`` (``budget``, ``plan`` or ``device_profile``) and check the model, the data and every
     option as :func:`memfit.train` would, show the resolved config, and stop: nothing is built, trained or
@@ -91,7 +93,7 @@ def config_rows(prepared: Prepared, output_dir: Path | str, trainable: int, tota
     return [
         ("model", f"{config.model} ({type(prepared.spec.hf_config).__name__}, {prepared.spec.num_layers} layers, "
                   f"{'pretrained' if prepared.spec.is_pretrained else 'random init'})"),
-        ("data", f"{config.data}: {len(prepared.train_examples)} train / {len(prepared.val_examples)} val"
+        ("data", f"{data_label(prepared)}: {len(prepared.train_examples)} train / {len(prepared.val_examples)} val"
                  f"{labels_label(prepared.label_names)}"
                  f"{'' if prepared.packed is None else f'; packed into {len(prepared.packed)} rows of '}"
                  f"{'' if prepared.packed is None else f'{config.max_length} tokens (a sample is a row)'}"),
@@ -116,6 +118,19 @@ def config_rows(prepared: Prepared, output_dir: Path | str, trainable: int, tota
         *([("plan", plan_label(plan))] if plan is not None and plan.chosen is not None else []),
         ("output", str(output_dir)),
     ]
+
+
+def data_label(prepared: Prepared) -> str:
+    """``--data`` with its configuration and split when chosen, and the table format recognised in it."""
+    from memfit.data.formats import DESCRIPTIONS
+
+    config = prepared.config
+    chosen = [f"config {config.data_config}"] if config.data_config else []
+    chosen += [f"split {config.data_split}"] if config.data_split != "train" else []
+    source_format = getattr(prepared.train_examples, "source_format", "")
+    shape = [DESCRIPTIONS[source_format]] if source_format else []
+    details = ", ".join([*chosen, *shape])
+    return f"{config.data} ({details})" if details else config.data
 
 
 def labels_label(names: list[str]) -> str:

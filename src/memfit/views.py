@@ -163,3 +163,19 @@ def print_estimate(console: Console, result: Any) -> None:
         console.print(f"{verdict}[/] in {format_bytes(result.device_memory_bytes)}: needs "
                       f"{format_bytes(result.total_bytes)}, headroom {format_bytes(result.headroom_bytes)}")
     console.print(f"traced {result.traced_ops:,} ops in {result.seconds:.1f} s")
+
+
+def print_cached_models() -> None:
+    """The models in the local Hugging Face cache, usable as ``--model org/name`` offline."""
+    from memfit.hub import cache_dir, cached_models
+    from memfit.report import format_bytes
+
+    models = cached_models()
+    if not models:
+        return
+    print(f"\nin the local Hugging Face cache ({cache_dir()}):")
+    width = max(len(model["repo_id"]) for model in models)
+    for model in models:
+        contents = "weights" if model["weights"] else "config only"
+        print(f"{model['repo_id']:<{width}}  {','.join(model['revisions']) or '-'}  {contents}  "
+              f"{format_bytes(model['bytes'])}")

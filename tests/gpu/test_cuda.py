@@ -77,3 +77,36 @@ def test_a_real_cuda_oom_splits_the_micro_batch_and_keeps_the_effective_batch(ta
     assert actions[:2] == ["retry", "split"] and set(actions[2:]) <= {"split"}, actions
     assert split.micro_batch_size <= 8 and split.micro_batch_size * split.accumulation_steps == 16
     assert split.effective_batch_size == 16 and split.optimizer_steps == roomy.optimizer_steps == 2
+
+
+def test_an_fp16_trainer_trains_under_memfits_callback(tmp_path: Path) -> None:
+    """fp16 with Trainer's default ``max_grad_norm`` 1.0: the trace unscales through a GradScaler of its own, so
+    neither its second window nor the run's first step finds the run's scaler already unscaled; the predicted
+    peak is the card's measured one, within the tolerance of the test above."""
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from memfit.integrations.transformers import KEYS, MemfitCallback
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, 2048, (64,), generator=generator).tolist()} for _ in range(64)]
+
+    def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([item["input_ids"] for item in items])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8,
+                                          gradient_accumulation_steps=2, max_steps=3, logging_steps=1,
+                                          report_to="none", save_strategy="no", disable_tqdm=True, fp16=True)
+    assert args.max_grad_norm == 1.0
+    callback = MemfitCallback()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                   data_collator=collate, callbacks=[callback])
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert trainer.state.global_step == 3 and all(set(KEYS) <= entry.keys() for entry in logged)
+    errors = [entry["memfit/peak_error"] for entry in logged[1:]]
+    assert all(abs(error) <= 0.1 for error in errors), errors

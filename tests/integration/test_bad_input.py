@@ -100,7 +100,7 @@ CASES: dict[str, tuple[Setup, str]] = {
                               "use a .toml, .yaml/.yml or .json file"),
     # --- data ---
     "data-missing": (lambda w: base(w, data=w / "missing.csv"), "no such file or directory"),
-    "csv-empty": (lambda w: base(w, data=file(w, "empty.csv", "review,sentiment\n")), "the file holds no rows"),
+    "csv-empty": (lambda w: base(w, data=file(w, "empty.csv", "review,sentiment\n")), "the table holds no rows"),
     "csv-wrong-column": (lambda w: base(w, "--label-column", "stars"), "no column 'stars' (--label-column)"),
     "csv-bad-row": (lambda w: base(w, data=file(w, "ragged.csv", "review,sentiment\ngood film,pos\na,b,c,neg\n")),
                     "line 3 has more fields than the header's 2"),
@@ -110,7 +110,7 @@ CASES: dict[str, tuple[Setup, str]] = {
                         "line 2 is not JSON"),
     "jsonl-not-objects": (lambda w: base(w, data=file(w, "lists.jsonl", '["ok", "pos"]\n')),
                           "line 1 is a JSON list, not an object"),
-    "data-wrong-type": (lambda w: base(w, data=file(w, "data.parquet", "x")), "unsupported file type"),
+    "data-wrong-type": (lambda w: base(w, data=file(w, "data.xlsx", "x")), "unsupported file type"),
     "one-label-only": (lambda w: base(w, data=file(w, "same.csv", "review,sentiment\na,pos\nb,pos\nc,pos\n")),
                        "every example has the same label"),
     "labels-out-of-head-range": (lambda w: base(w, model=head_model(w), data=file(
@@ -125,9 +125,9 @@ CASES: dict[str, tuple[Setup, str]] = {
         "pair text data with a text model"),
     "packing-classification": (lambda w: base(w, "--packing"), "--packing packs causal-LM examples"),
     # --- models ---
-    "model-unknown": (lambda w: base(w, model=w / "no-such-model"), "is not a preset or a local directory"),
-    "model-hub-id": (lambda w: ["train", "--model", "google/bert_uncased_L-2_H-128_A-2", "--output-dir",
-                                str(w / "out")], "memfit never downloads"),
+    "model-unknown": (lambda w: base(w, model=w / "no-such-model"), "is not a preset, a local directory or a Hub id"),
+    "model-hub-id-offline": (lambda w: ["train", "--model", "google/bert_uncased_L-2_H-128_A-2", "--output-dir",
+                                        str(w / "out")], "and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download"),
     "model-dir-without-config": (lambda w: base(w, model=file(w, "empty-model/README", "x").parent),
                                  "no config.json in"),
     "model-config-broken": (lambda w: base(w, model=file(w, "broken-model/config.json", "{").parent),
@@ -238,6 +238,7 @@ def test_bad_input(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     write_model_dir(work / "bert", TINY_BERT)
     write_reviews(work / "reviews.csv")
     monkeypatch.chdir(work)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty Hugging Face cache (and offline)
     args = setup(work)
     capsys.readouterr()
     before = snapshot(work)

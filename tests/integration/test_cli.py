@@ -101,8 +101,8 @@ def assert_clean_error(result: subprocess.CompletedProcess[str], *fragments: str
 
 @pytest.mark.parametrize(("args", "fragments"), [
     (["train", "--bogus"], ["unrecognized arguments: --bogus"]),
-    (["train", "--model", "bert-gigantic"], ["is not a preset or a local directory"]),
-    (["train", "--model", "google/bert_uncased_L-2_H-128_A-2"], ["never downloads"]),
+    (["train", "--model", "bert-gigantic"], ["is not a preset, a local directory or a Hub id"]),
+    (["train", "--model", "google/bert_uncased_L-2_H-128_A-2"], ["and HF_HUB_OFFLINE is set"]),
     (["train", "--precision", "fp16", "--device", "cpu"], ["about 20x slower", "--force-cpu-fp16"]),
     (["train", "--accumulation-steps", "0"], ["--accumulation-steps must be >= 1"]),
     (["train", "--train-top-layers", "9"], ["larger than minilm's 6 layers"]),

@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +29,12 @@ def test_minilm_is_pretrained() -> None:
     assert spec.is_pretrained and spec.num_layers == 6 and spec.head_labels is None
 
 
-def test_hub_names_fail_offline_with_a_clear_message() -> None:
-    with pytest.raises(ConfigError, match="looks like a Hub id, and memfit never downloads"):
+def test_hub_names_fail_offline_with_a_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"it is not in the local cache .* and HF_HUB_OFFLINE is set"):
         resolve_model("bert-base-uncased/extra")
-    with pytest.raises(ConfigError, match="is not a preset or a local directory \\(presets: minilm, bert-base"):
+    with pytest.raises(ConfigError, match=r"is not a preset, a local directory or a Hub id \(org/name\[@revision\]\) "
+                                          r"\(presets: minilm, bert-base"):
         resolve_model("bert-huge")
 
 
@@ -78,3 +83,32 @@ def test_layers_and_embeddings_are_found(tmp_path: Path, config: dict, layers: i
     found = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if any(module is m for m in embedding_modules(model))}
     assert found == embedding_names
+
+
+def test_importing_memfit_leaves_the_process_settings_alone() -> None:
+    """No HF_HUB_OFFLINE exported to child processes, transformers' verbosity and progress bars untouched: only
+    memfit's own calls are quiet (importing does no network request)."""
+    script = (
+        "import os, transformers\n"
+        "before = (transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled())\n"
+        "import memfit.models, memfit.integrations.transformers, memfit.memory.estimate\n"
+        "after = (transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled())\n"
+        "assert 'HF_HUB_OFFLINE' not in os.environ and 'TRANSFORMERS_OFFLINE' not in os.environ, os.environ\n"
+        "assert before == after, (before, after)\n")
+    env = {name: value for name, value in os.environ.items() if name not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def test_memfit_calls_are_quiet_and_restore_transformers_settings(tiny_bert: Path) -> None:
+    from memfit.quiet import quiet_transformers
+
+    transformers.logging.set_verbosity_warning()
+    try:
+        with quiet_transformers():
+            assert transformers.logging.get_verbosity() == transformers.logging.ERROR
+            resolve_model(str(tiny_bert))
+        assert transformers.logging.get_verbosity() == transformers.logging.WARNING
+        assert transformers.utils.logging.is_progress_bar_enabled()
+    finally:
+        transformers.logging.set_verbosity_warning()

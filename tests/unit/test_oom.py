@@ -18,8 +18,10 @@ from memfit.engine import train
 from memfit.errors import ConfigError, TrainingError
 from memfit.memory.tracker import OUT_OF_MEMORY, StorageTracker
 from memfit.report import Summary
+from memfit.techniques import stability
 from memfit.units import parse_bytes
 from tests.conftest import TINY_BERT, load_weights, tiny_config, write_model_dir, write_pairs, write_tiny_llm
+from tests.helpers import read_metrics, run_main
 
 QUIET = Console(file=io.StringIO())
 
@@ -207,3 +209,70 @@ def test_a_causal_lm_split_keeps_the_window_and_its_token_normalisation(tmp_path
     assert (split.micro_batch_size, split.accumulation_steps) == (8, 2)
     assert_params(load_weights(tmp_path / "split"), load_weights(tmp_path / "half"), exact=True)
     assert_params(load_weights(tmp_path / "split"), load_weights(tmp_path / "full"), exact=False)
+
+
+def fail_fused_step(monkeypatch: pytest.MonkeyPatch, *, call: int, after_update: bool = False) -> None:
+    """The ``call``-th fused AdamW kernel (one per parameter group and step, after the step has made the state it
+    creates lazily) raises an OOM; ``after_update``: once it has updated its parameters. Every other call runs."""
+    monkeypatch.setattr(torch, "_fused_adamw_", failing(torch._fused_adamw_, call=call, after=after_update))
+
+
+def failing(function: Any, *, call: int, after: bool = False) -> Any:
+    """``function``, except that its ``call``-th call raises an OOM (``after``: once it has run)."""
+    calls = {"count": 0}
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls["count"] += 1
+        if calls["count"] != call:
+            return function(*args, **kwargs)
+        if after:
+            function(*args, **kwargs)
+        raise OUT_OF_MEMORY("injected")
+
+    return wrapped
+
+
+def cli_train(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", str(model), "--data", str(data), "--text-column", "review", "--label-column",
+            "sentiment", "--max-length", "32", "--effective-batch", "8", "--micro-batch-size", "4", "--precision",
+            "fp32", "--max-steps", "4", "--lr", "1e-3", "--log-every", "1", "--output-dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("step", [1, 3], ids=["made-state", "norm"])
+def test_an_optimizer_step_oom_saves_the_run_before_it_and_resumes_exactly(
+        tmp_path: Path, reviews_csv: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        step: int) -> None:
+    """Step 1: the OOM comes after AdamW made the moments of the first parameter group (and counted their step),
+    none of which the checkpoint holds. Step 3: the gradient norm's OOM, before the update; the state of two
+    steps is saved as it was."""
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    assert run_main(cli_train(model, reviews_csv, tmp_path / "clean"), capsys)[0] == 0
+    if step == 1:
+        fail_fused_step(monkeypatch, call=1)
+    else:
+        monkeypatch.setattr(stability, "gradient_norm", failing(stability.gradient_norm, call=step))
+    code, _, err = run_main(cli_train(model, reviews_csv, tmp_path / "run"), capsys)
+    saved = tmp_path / "run" / "checkpoints" / f"step-{step - 1:08d}"
+    assert (code, err) == (1, f"memfit: error: step {step}: out of memory in the optimizer step (injected); the run "
+                              f"before that step is saved to {saved}: continue with --resume once the step fits "
+                              "(--no-foreach, or free the device's memory), or start again with a leaner optimizer: "
+                              "--offload-optimizer (CUDA), --optimizer adamw8bit, LoRA (--lora-rank), "
+                              "--train-top-layers, or a smaller model (memfit plan)\n")
+    assert run_main(cli_train(model, reviews_csv, tmp_path / "run", "--resume"), capsys)[0] == 0
+    assert_params(load_weights(tmp_path / "run"), load_weights(tmp_path / "clean"), exact=True)
+    losses = [[(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name, "train")]
+              for name in ("run", "clean")]
+    assert losses[0] == losses[1]
+
+
+def test_an_optimizer_step_oom_after_an_update_stops_without_a_checkpoint(
+        tmp_path: Path, reviews_csv: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = write_model_dir(tmp_path / "bert", TINY_BERT)
+    fail_fused_step(monkeypatch, call=3, after_update=True)  # step 2: its first group updated, then the OOM
+    code, _, err = run_main(cli_train(model, reviews_csv, tmp_path / "run", "--save-every", "1"), capsys)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("memfit: error: step 2: out of memory in the optimizer step (injected); no checkpoint of "
+                          "the run before it can be saved (it had updated part of the model): resume from the last "
+                          "--save-every one, or start again, with a leaner optimizer: --offload-optimizer")
+    assert [path.name for path in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-00000001"]

@@ -1,8 +1,10 @@
-"""Instruction data for causal-LM fine-tuning: prompt/completion pairs and chat conversations.
+"""Instruction data for causal-LM fine-tuning: prompt/completion pairs, Alpaca rows and chat conversations.
 
-A file holds either a ``prompt`` and a ``completion`` column (names settable), or a ``messages`` list of
-``{"role": ..., "content": ...}`` turns whose last turn is the assistant's answer: the completion, the turns
-before it the prompt. Labelled classification data (text and label) becomes instruction pairs too: the text
+A table holds a ``prompt`` and a ``completion`` column (names settable), Alpaca's ``instruction``/``input``/
+``output``, or a conversation: ``messages`` of ``{"role": ..., "content": ...}`` turns or ShareGPT's
+``conversations`` of ``{"from": ..., "value": ...}`` turns, whose last turn is the assistant's answer: the
+completion, the turns before it the prompt (:mod:`memfit.data.formats` recognises which). Labelled
+classification data (text and label) becomes instruction pairs too: the text
 with a question naming the labels as the prompt, the label's name as the completion.
 
 When the completions are a small closed set (labels such as ``fresh``/``rotten``), :attr:`CausalExamples.labels`
@@ -12,86 +14,96 @@ summed log-probability is the prediction.
 
 from __future__ import annotations
 
-import csv
 import json
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from memfit.data.examples import CausalExamples, Message, TextExamples
-from memfit.data.files import read_rows
+from memfit.data.formats import SHAREGPT_COLUMN
 from memfit.errors import DataError
+
+if TYPE_CHECKING:
+    from memfit.data import Columns
 
 MAX_CLOSED_SET = 20
 """Completions form a closed set (and accuracy is scored) when there are at most this many distinct ones, each
 seen at least twice on average."""
 
 
-def is_causal_file(path: Path, *, prompt_column: str, completion_column: str, messages_column: str) -> bool:
-    """Whether a CSV/JSONL file holds instruction data: its first row has a messages list or a prompt and a
-    completion field."""
-    first = first_row(path)
-    return first is not None and (messages_column in first or (prompt_column in first and completion_column in first))
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+"""ShareGPT's speaker names as chat roles (``from`` values seen in published ShareGPT-style datasets)."""
 
 
-def first_row(path: Path) -> dict[str, Any] | None:
-    try:
-        with path.open(newline="", encoding="utf-8") as file:
-            if path.suffix.lower() == ".csv":
-                return next(csv.DictReader(file), None)
-            for line in file:
-                if line.strip():
-                    row = json.loads(line)
-                    return row if isinstance(row, dict) else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # the table reader reports it, with the line
-    return None
+def instructions_from_rows(data: str, rows: list[dict[str, Any]], data_format: str,
+                           columns: Columns) -> CausalExamples:
+    """Instruction pairs from the rows of a table in one of :data:`memfit.data.formats.INSTRUCTION_FORMATS`."""
+    if data_format == "alpaca":
+        return _alpaca(data, rows)
+    if data_format in ("messages", "sharegpt"):
+        column = columns.messages if isinstance(rows[0].get(columns.messages), list) else SHAREGPT_COLUMN
+        examples = _conversations(data, rows, column)
+    else:
+        examples = _pairs(data, rows, columns.prompt, columns.completion)
+    return replace(examples, source_format=data_format)
 
 
-def load_instructions(path: Path, *, prompt_column: str, completion_column: str,
-                      messages_column: str) -> CausalExamples:
-    rows = read_rows(path)
-    if not rows:
-        raise DataError(f"--data {path}: the file holds no rows")
-    if messages_column in rows[0]:
-        return _conversations(path, rows, messages_column)
-    columns = list(rows[0])
-    missing = [(flag, name) for flag, name in (("--prompt-column", prompt_column),
-                                               ("--completion-column", completion_column)) if name not in columns]
-    if missing:
-        raise DataError([f"--data {path}: no column {name!r} ({flag}) and no {messages_column!r} list; columns "
-                         f"are: {', '.join(columns)}" for flag, name in missing])
+def _pairs(data: str, rows: list[dict[str, Any]], prompt_column: str, completion_column: str) -> CausalExamples:
     prompts, completions = [], []
     for number, row in enumerate(rows, start=1):
         prompt, completion = str(row.get(prompt_column) or ""), str(row.get(completion_column) or "")
         if not completion.strip():
-            raise DataError(f"--data {path}: row {number} has an empty {completion_column!r}; every example needs "
+            raise DataError(f"--data {data}: row {number} has an empty {completion_column!r}; every example needs "
                             "a completion to learn")
         prompts.append(prompt)
         completions.append(completion)
     return with_closed_set(prompts, completions, chat=False, templated=False)
 
 
-def _conversations(path: Path, rows: list[dict[str, Any]], column: str) -> CausalExamples:
+def _alpaca(data: str, rows: list[dict[str, Any]]) -> CausalExamples:
+    """Alpaca's instruction and optional input as one user turn (templated when the tokenizer has a chat
+    template), its output as the completion."""
+    prompts, completions = [], []
+    for number, row in enumerate(rows, start=1):
+        instruction, extra = str(row.get("instruction") or "").strip(), str(row.get("input") or "").strip()
+        output = str(row.get("output") or "")
+        if not instruction or not output.strip():
+            raise DataError(f"--data {data}: row {number} has an empty 'instruction' or 'output'; every Alpaca "
+                            "example needs both")
+        prompts.append(f"{instruction}\n\n{extra}" if extra else instruction)
+        completions.append(output)
+    return replace(with_closed_set(prompts, completions, chat=False, templated=True), source_format="alpaca")
+
+
+def _conversations(data: str, rows: list[dict[str, Any]], column: str) -> CausalExamples:
     prompts: list[list[Message]] = []
     completions: list[str] = []
     for number, row in enumerate(rows, start=1):
         turns = row.get(column)
         if not isinstance(turns, list) or not turns:
-            raise DataError(f"--data {path}: row {number}: {column!r} is empty or not a list; write a list of "
+            raise DataError(f"--data {data}: row {number}: {column!r} is empty or not a list; write a list of "
                             '{"role": ..., "content": ...} turns ending with the assistant\'s answer')
-        messages: list[Message] = []
-        for turn in turns:
-            if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
-                    and isinstance(turn.get("content"), str)):
-                raise DataError(f"--data {path}: row {number}: each turn needs a string 'role' and 'content' "
-                                f"(got {json.dumps(turn)[:60]})")
-            messages.append({"role": turn["role"], "content": turn["content"]})
+        messages = [_turn(data, number, turn) for turn in turns]
         if messages[-1]["role"] != "assistant" or len(messages) < 2:
-            raise DataError(f"--data {path}: row {number}: the last turn must be the assistant's answer, after at "
+            raise DataError(f"--data {data}: row {number}: the last turn must be the assistant's answer, after at "
                             "least one turn before it (the prompt)")
         prompts.append(messages[:-1])
         completions.append(messages[-1]["content"])
     return with_closed_set(prompts, completions, chat=True, templated=True)
+
+
+def _turn(data: str, number: int, turn: Any) -> Message:
+    """A chat turn from ``{"role", "content"}`` or ShareGPT's ``{"from", "value"}``."""
+    if isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str):
+        return {"role": turn["role"], "content": turn["content"]}
+    if isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str):
+        role = SHAREGPT_ROLES.get(turn["from"].lower())
+        if role is None:
+            raise DataError(f"--data {data}: row {number}: unknown speaker {turn['from']!r} (known: "
+                            f"{', '.join(SHAREGPT_ROLES)})")
+        return {"role": role, "content": turn["value"]}
+    raise DataError(f"--data {data}: row {number}: each turn needs a string 'role' and 'content' (or ShareGPT's "
+                    f"'from' and 'value') (got {json.dumps(turn)[:60]})")
 
 
 def with_closed_set(prompts: list[str] | list[list[Message]], completions: list[str], *, chat: bool,

@@ -16,6 +16,8 @@ class TextExamples:
     texts: list[str]
     labels: list[int]
     label_names: list[str]
+    source_format: str = ""
+    """The table format it was read from (:mod:`memfit.data.formats`); empty for built-in data."""
 
     def subset(self, indices: list[int]) -> TextExamples:
         return replace(self, texts=[self.texts[i] for i in indices], labels=[self.labels[i] for i in indices])
@@ -58,6 +60,8 @@ class CausalExamples:
     """The closed set of completions, when they form one (accuracy is scored on it); else empty."""
     labels: list[int]
     """Each example's index into ``label_names``; empty without a closed set."""
+    source_format: str = ""
+    """The table format it was read from (:mod:`memfit.data.formats`); empty for built-in data."""
 
     def subset(self, indices: list[int]) -> CausalExamples:
         prompts: list[Any] = [self.prompts[i] for i in indices]

@@ -51,7 +51,7 @@ from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.mask_values import known_masks
 from memfit.memory.tracker import StorageTracker
 from memfit.models import ModelSpec, count_parameters, resolve_model, with_depth
-from memfit.quiet import quiet_imports
+from memfit.quiet import quiet_imports, quiet_transformers
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
 from memfit.techniques.bf16_true import KAHAN_STATE
 from memfit.techniques.offload import OffloadedOptimizer
@@ -192,6 +192,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
                        window_items=[sum(item_count(batch) for batch in window) for window in windows], task=task)
 
 
+@quiet_transformers()
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
              image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False,
              count_flops: bool = False, lean_warmup: bool = False, padded: bool = True,

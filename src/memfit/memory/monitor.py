@@ -35,9 +35,12 @@ from typing import Any
 import psutil
 import torch
 
+from memfit.errors import ConfigError
 from memfit.memory.tracker import StorageTracker
 
 PHASES = ("forward", "backward", "optimizer")
+SUPPORTED = ("cpu", "cuda")
+"""The device types a monitor measures (the CUDA allocator's statistics or the CPU tensor tracker)."""
 TIMELINE_POINTS = 4000
 """A recorded timeline is reduced to at most this many points, each the highest of its stretch."""
 _HISTORY_ENTRIES = 2_000_000
@@ -64,6 +67,9 @@ class Monitor:
     """Measures memory during a run; a context manager (enter before building tensors you want counted)."""
 
     def __init__(self, device_type: str, *, budget_bytes: int | None = None) -> None:
+        if device_type not in SUPPORTED:
+            raise ConfigError(f"memfit measures memory on {' and '.join(SUPPORTED)} devices; "
+                              f"{device_type}: not supported")
         self.device_type = device_type
         self.budget_bytes = budget_bytes
         self.tracker = StorageTracker(budget_bytes=budget_bytes) if device_type == "cpu" else None

@@ -28,11 +28,13 @@ from memfit.planner.families import (
 from memfit.planner.opt_ins import bitsandbytes_problem, opt_ins
 from memfit.planner.report import Plan, load_plan, rank_candidates, verdict_line
 from memfit.planner.search import Search
+from memfit.quiet import quiet_transformers
 from memfit.report import format_bytes
 from memfit.techniques.bf16_true import uses_kahan
 from memfit.techniques.optim import optimizer_problems
 
 
+@quiet_transformers()
 def plan(config: TrainConfig | None = None, *, model: str | None = None, device: str | DeviceProfile = "1080ti",
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
          image_size: int | None = None, margin: float = 0.05, allow: Allowed = NOTHING,

@@ -129,13 +129,17 @@ def is_lora(model: nn.Module) -> bool:
 
 
 def save_merged(adapter_dir: Path, base: nn.Module, directory: Path) -> None:
-    """The base model with the adapter saved in ``adapter_dir`` merged in, as a full model in ``directory``.
+    """The base model with the adapter saved in ``adapter_dir`` merged in, as a full model in ``directory``
+    (:func:`merge_adapter`); this also proves that the saved adapter loads."""
+    merge_adapter(adapter_dir, base).save_pretrained(directory, safe_serialization=True)
+
+
+def merge_adapter(adapter_dir: Path, base: nn.Module) -> Any:
+    """``base`` with the adapter saved in ``adapter_dir`` merged into its weights, through PEFT's own loader.
 
     ``base`` is the model as built before any technique, in its own precision (fp32), not quantised: a QLoRA
-    adapter is merged into the original weights, as it would be deployed. The adapter goes through PEFT's
-    own loader, so this also proves that the saved adapter loads."""
+    adapter is merged into the original weights, as it would be deployed."""
     with quiet_peft():
         from peft import PeftModel
 
-        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    merged.save_pretrained(directory, safe_serialization=True)
+        return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -19,15 +19,27 @@ floating-point summation order.
 Trade-off: a recovered window runs again from its start (at most one window of recompute per event), and
 a run that split keeps the smaller, slower micro-batch. Evaluation has its own batch size, halved on an
 evaluation OOM and never the training micro-batch.
+
+The optimizer step is not retried: its memory (the optimizer state, created at the first step, and the
+update's temporaries) does not shrink with the micro-batch, so the same step would fail again, and a step
+that failed part-way may already have updated some parameters, which cannot be undone. A
+:class:`StepWatch` follows the step instead: until the step writes to a trained parameter or to optimizer
+state that existed before it, the run is still exactly as it was before the step, and the engine saves a
+checkpoint of that state (:attr:`StepWatch.state_before`, without the state the step had begun to create)
+before it stops, so that ``--resume`` continues as if nothing had happened. After such a write it stops
+without one. The watch is a dispatch mode around the step: one Python call per op of the step (a few per
+parameter group for fused and multi-tensor kernels), and one walk over the optimizer's state per step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.checkpoints import rng_state, set_rng_state
 from memfit.errors import TrainingError
@@ -137,9 +149,47 @@ class OomRecovery:
         try:
             return True, attempt(size), 0, ""
         except OUT_OF_MEMORY as error:  # memory is read while the failed attempt's tensors are still alive
-            return False, None, self.memory_now(), str(error).strip().splitlines()[0] if str(error).strip() \
-                else "out of memory"
+            return False, None, self.memory_now(), oom_message(error)
 
     def _release(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def oom_message(error: BaseException) -> str:
+    """The first line of an out-of-memory error's message."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "out of memory"
+
+
+class StepWatch(TorchDispatchMode):
+    """Inside, notes whether an optimizer step has written to a trained parameter or to a tensor of the optimizer
+    state that existed before it (see the module docstring).
+
+    Written is what an op's schema marks as written (in place, or ``out=``), matched by storage, so it sees the
+    fused, multi-tensor and per-parameter kernels of torch, torch-optimi and bitsandbytes alike (each a
+    dispatched op); a kernel launched around the dispatcher would go unseen, and memfit runs none in the step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.state_before: dict[str, Any] = tree_map(lambda leaf: leaf, optimizer.state_dict())
+        """The optimizer's state dict before the step: its containers copied, its tensors by reference."""
+        before = [leaf for leaf in tree_leaves(self.state_before) if isinstance(leaf, torch.Tensor)]
+        self.storages = {tensor.untyped_storage().data_ptr() for tensor in [*parameters, *before]} - {0}
+        self.wrote = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.wrote and func._schema.is_mutable:
+            self.wrote = any(isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.storages
+                             for value in written_arguments(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+    """The values an op writes to: the arguments its schema annotates as written, lists flattened."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            yield from tree_leaves(args[index] if index < len(args) else kwargs.get(argument.name))
