@@ -6,12 +6,14 @@ import csv
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
 # No test touches the network: the Hub is offline for the suite and every CLI it starts (tests of Hub ids build
 # a cache by hand in a temporary HF_HOME). Set before huggingface_hub is imported: it reads this once.
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="memfit-tests-hf-home-")  # an empty cache, not the developer's
 
 import pytest
 import torch

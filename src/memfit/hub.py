@@ -30,7 +30,7 @@ from memfit.errors import ConfigError
 
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
 """What an estimate or a plan reads: the architecture, and what the task needs to know of the tokenizer."""
-SNAPSHOT_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja")
+SNAPSHOT_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 """What training reads: configs, tokenizer files and safetensors weights (no pickled ``*.bin``)."""
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 LOGIN_FIX = "log in with `hf auth login` or set HF_TOKEN"
@@ -85,7 +85,8 @@ def resolve(model: HubModel, *, weights: bool) -> Path:
     with _hub_errors(model):
         path = Path(_download(model, weights=weights))
     if not _complete(path, weights=weights):
-        what = "safetensors weights (memfit does not load pickled *.bin files)" if weights else "config.json"
+        what = ("safetensors weights and tokenizer files (memfit does not load pickled *.bin files)" if weights
+                else "config.json")
         raise ConfigError(f"--model {model.label}: the repository has no {what}; pass a local model directory "
                           "instead")
     return path
@@ -115,10 +116,18 @@ def cached_snapshot(model: HubModel, *, kind: str = "model") -> Path | None:
     return snapshot if snapshot.is_dir() else None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "preprocessor_config.json")
+"""One of these makes a snapshot's tokenizer (or a vision model's image processor) usable for training."""
+
+
 def _complete(snapshot: Path, *, weights: bool) -> bool:
     if not (snapshot / "config.json").is_file():
         return False
-    return not weights or safetensors_files(snapshot) is not None
+    if not weights:
+        return True
+    has_tokenizer = any((snapshot / name).is_file() for name in TOKENIZER_FILES)
+    return safetensors_files(snapshot) is not None and has_tokenizer
 
 
 def safetensors_files(directory: Path) -> list[Path] | None:
@@ -137,7 +146,7 @@ def safetensors_files(directory: Path) -> list[Path] | None:
 
 
 def _offline_message(model: HubModel, cached: Path | None, *, weights: bool) -> str:
-    need = "its weights (safetensors)" if weights else "its config.json"
+    need = "its weights (safetensors) or tokenizer files" if weights else "its config.json"
     if cached is not None:
         where = f"the cached snapshot {cached} lacks {need}"
     elif revisions := _cached_revisions(model.repo_id):

@@ -111,8 +111,8 @@ def test_a_run_of_a_model_whose_weights_are_not_cached_offline_says_so(
                          "--output-dir", str(out)], capsys)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"memfit: error: --model {REPO}: the cached snapshot {snapshot} lacks its weights (safetensors), "
-        "and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it, or pass a local model directory"]
+        f"memfit: error: --model {REPO}: the cached snapshot {snapshot} lacks its weights (safetensors) or tokenizer "
+        "files, and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it, or pass a local model directory"]
     assert not out.exists()
 
 

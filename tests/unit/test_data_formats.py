@@ -150,3 +150,22 @@ def test_a_hub_dataset_loads_from_the_cache_offline(tmp_path: Path, monkeypatch:
         _causal("tiny-org/not-cached")
     assert missing.value.problems == ["--data tiny-org/not-cached: not in the local cache, and HF_HUB_OFFLINE is "
                                       "set; unset HF_HUB_OFFLINE to download it, or pass a local file"]
+
+
+def test_bom_files_edited_files_and_mistyped_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "alpaca.json"
+    path.write_text("\ufeff" + json.dumps(ALPACA[:2]), encoding="utf-8")  # a BOM, as Excel and PowerShell write
+    assert _causal(path).completions == ["red", "3"]
+    path.write_text(json.dumps(ALPACA), encoding="utf-8")  # the same file edited: read again
+    assert _causal(path).completions == ["red", "3", "apple"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(DataError, match="no such file or directory, and not a Hub dataset id"):
+        _causal("data/train.csv")  # a typo of a local path is not looked up on the Hub
+
+
+def test_a_broken_save_to_disk_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "state.json").write_text("{}")
+    with pytest.raises(DataError, match="not a dataset saved with save_to_disk"):
+        _causal(tmp_path / "broken")

@@ -40,16 +40,20 @@ def table_kind(data: str) -> str | None:
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             return "saved"
         return "parquet-folder" if any(path.glob("*.parquet")) else None
-    return "hub" if parse_hub_id(data) is not None and not path.exists() else None
+    first_part = Path(data.split("/", 1)[0]).expanduser()
+    local_looking = path.suffix.lower() in TABLE_SUFFIXES or first_part.is_dir()  # a mistyped path, not a Hub id
+    return "hub" if parse_hub_id(data) is not None and not local_looking else None
 
 
 def read_rows(data: str, *, split: str = "train", subset: str | None = None) -> list[dict[str, Any]]:
     """The rows of the table ``data`` names (a copy of the list; the rows themselves are shared)."""
-    return list(_rows(data, split, subset))
+    path = Path(data).expanduser()
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None  # an edited file is reread
+    return list(_rows(data, split, subset, stamp))
 
 
 @functools.lru_cache(maxsize=4)
-def _rows(data: str, split: str, subset: str | None) -> tuple[dict[str, Any], ...]:
+def _rows(data: str, split: str, subset: str | None, stamp: tuple[int, int] | None) -> tuple[dict[str, Any], ...]:
     kind = table_kind(data)
     path = Path(data).expanduser()
     if kind == "file":
@@ -81,12 +85,12 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
 
 
 def _starts_with(path: Path, character: str) -> bool:
-    with path.open(encoding="utf-8") as file:
+    with path.open(encoding="utf-8-sig") as file:
         return file.read(4096).lstrip().startswith(character)
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
-    with path.open(newline="", encoding="utf-8") as file:
+    with path.open(newline="", encoding="utf-8-sig") as file:
         reader = csv.DictReader(file)
         rows = []
         for row in reader:
@@ -99,7 +103,7 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as file:
+    with path.open(encoding="utf-8-sig") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
@@ -117,7 +121,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_json_array(path: Path) -> list[dict[str, Any]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as error:
         raise DataError(f"--data {path}: not JSON ({error.msg} at line {error.lineno}); write one JSON array of "
                         "objects, or one object per line") from None
@@ -165,8 +169,12 @@ def _quiet_datasets(datasets: Any, *, bars: bool) -> Iterator[None]:
 
 def _read_saved(data: str, path: Path, split: str) -> list[dict[str, Any]]:
     datasets = _datasets()
-    with _quiet_datasets(datasets, bars=False):
-        loaded = datasets.load_from_disk(str(path))
+    try:
+        with _quiet_datasets(datasets, bars=False):
+            loaded = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as error:  # FileNotFoundError for a directory that is not a whole dataset
+        raise DataError(f"--data {data}: not a dataset saved with save_to_disk ({_first_line(error)}); save it "
+                        "again, or pass its files") from None
     if hasattr(loaded, "keys"):  # a DatasetDict
         if split not in loaded:
             raise DataError(f"--data {data}: no split {split!r} (splits: {', '.join(loaded)}); set --data-split")
