@@ -169,3 +169,16 @@ def test_a_broken_save_to_disk_directory_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "broken" / "state.json").write_text("{}")
     with pytest.raises(DataError, match="not a dataset saved with save_to_disk"):
         _causal(tmp_path / "broken")
+
+
+def test_class_labels_keep_their_names_and_trailing_user_turns_are_dropped(tmp_path: Path) -> None:
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["neg", "pos"])})
+    datasets.Dataset.from_dict({"text": ["bad", "good", "fine"], "label": [0, 1, 1]},
+                               features=features).save_to_disk(str(tmp_path / "saved"))
+    labelled = load_examples(str(tmp_path / "saved"), columns=Columns())
+    assert isinstance(labelled, TextExamples) and labelled.label_names == ["neg", "pos"]
+    rows = [{"conversations": [*SHAREGPT[1]["conversations"], {"from": "human", "value": "Thanks"}]}] * 2
+    assert _causal(_jsonl(tmp_path / "tail.jsonl", rows)).completions == ["Goodbye", "Goodbye"]

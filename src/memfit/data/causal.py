@@ -84,7 +84,9 @@ def _conversations(data: str, rows: list[dict[str, Any]], column: str) -> Causal
             raise DataError(f"--data {data}: row {number}: {column!r} is empty or not a list; write a list of "
                             '{"role": ..., "content": ...} turns ending with the assistant\'s answer')
         messages = [_turn(data, number, turn) for turn in turns]
-        if messages[-1]["role"] != "assistant" or len(messages) < 2:
+        while messages and messages[-1]["role"] != "assistant":  # turns after the last answer teach nothing
+            messages.pop()
+        if len(messages) < 2:
             raise DataError(f"--data {data}: row {number}: the last turn must be the assistant's answer, after at "
                             "least one turn before it (the prompt)")
         prompts.append(messages[:-1])

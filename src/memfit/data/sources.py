@@ -179,7 +179,7 @@ def _read_saved(data: str, path: Path, split: str) -> list[dict[str, Any]]:
         if split not in loaded:
             raise DataError(f"--data {data}: no split {split!r} (splits: {', '.join(loaded)}); set --data-split")
         loaded = loaded[split]
-    return list(loaded.to_list())
+    return _named_rows(loaded)
 
 
 def _read_hub(data: str, split: str, subset: str | None) -> list[dict[str, Any]]:
@@ -207,9 +207,23 @@ def _read_hub(data: str, split: str, subset: str | None) -> list[dict[str, Any]]
                             "HF_HUB_OFFLINE to download it, or pass a local file") from None
         raise DataError(f"--data {data}: cannot load it ({_first_line(error)}); try again, or pass a local "
                         "file") from None
-    return list(loaded.to_list())
+    return _named_rows(loaded)
 
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _named_rows(dataset: Any) -> list[dict[str, Any]]:
+    """A ``datasets`` dataset's rows, class labels by name (``ClassLabel`` columns hold their index)."""
+    import datasets
+
+    names = {column: feature.names for column, feature in dataset.features.items()
+             if isinstance(feature, datasets.ClassLabel)}
+    rows = list(dataset.to_list())
+    for row in rows:
+        for column, labels in names.items():
+            if isinstance(row.get(column), int) and 0 <= row[column] < len(labels):
+                row[column] = labels[row[column]]
+    return rows
