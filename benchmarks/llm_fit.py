@@ -89,9 +89,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     index = {(r["profile"], r["model"], r["seq_len"], r["technique"]): r for r in rows}
     lines = ["| card | model | tokens | full fine-tuning | full fine-tuning, memory techniques allowed | LoRA r=16 | "
              "QLoRA r=16 |", "|---|---|---|---|---|---|---|"]
+    models = [*MODELS, *dict.fromkeys(r["model"] for r in rows if r["model"] not in MODELS)]  # MoE rows too
     for profile in PROFILES:
-        for model in MODELS:
-            for length in LENGTHS:
+        for model in models:
+            for length in sorted({r["seq_len"] for r in rows}):
                 if not any((profile, model, length, t) in index for t in TECHNIQUES):
                     continue
                 cells = [cell(index.get((profile, model, length, t))) for t in TECHNIQUES]

@@ -45,6 +45,22 @@ TINY_LLAMA: dict[str, Any] = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
     "tie_word_embeddings": True,
 }
+TINY_MOE: dict[str, dict[str, Any]] = {
+    # tiny mixture-of-experts decoders (4 experts, 2 per token), the shapes of the published configs' families
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []},
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_local_experts": 4,
+                "num_experts_per_tok": 2, "head_dim": 8, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1, "n_group": 2,
+                    "topk_group": 1, "first_k_dense_replace": 1, "num_key_value_heads": 4, "kv_lora_rank": 8,
+                    "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                    "head_dim": 4, "rope_scaling": None},
+}
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} [end] {% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")
 

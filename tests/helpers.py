@@ -77,3 +77,17 @@ class NoPhases:
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+
+def measured_and_estimated_phases(tmp_path: Path, config: Any, capsys: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """(the peak per phase ``memfit train`` measures for ``config``, the estimate's), for texts that fill
+    ``--max-length`` (no micro-batch is padded)."""
+    from memfit.memory.estimate import estimate
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({name: value for name, value in config.to_dict().items() if value is not None}))
+    result = in_process(["train", "--config", str(path), "--json"], capsys)
+    assert result.returncode == 0, result.stderr
+    measured = json.loads(result.stdout)["peak_memory_by_phase"]
+    predicted = estimate(config, padded=False)
+    return {name: measured[name] for name in predicted.phases}, predicted.phases

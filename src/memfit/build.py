@@ -21,9 +21,22 @@ from memfit import data as datasets
 from memfit.config import TrainConfig
 from memfit.data.batches import CausalEncoder, Encoder, ImageEncoder, TextEncoder
 from memfit.data.packing import PackedEncoder, disable_cache, packing_problems
+from memfit.data.seq2seq import Seq2SeqEncoder
 from memfit.devices import Device, resolve_device
 from memfit.errors import ConfigError, DataError, Problems
-from memfit.models import ModelSpec, build_model, check_compatible, is_decoder_llm, load_tokenizer, resolve_model
+from memfit.models import (
+    ModelSpec,
+    build_model,
+    check_compatible,
+    decoder_input_shift,
+    end_token_id,
+    is_decoder_llm,
+    is_encoder_decoder,
+    load_tokenizer,
+    resolve_model,
+    task_problems,
+)
+from memfit.support import architecture_problems
 from memfit.techniques.bf16_true import cast_parameters, uses_kahan
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
@@ -32,6 +45,7 @@ from memfit.techniques.offload_activations import activation_offload_problems
 from memfit.techniques.optim import build_optimizer, optimizer_problems, step_kernels
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.quantized_base import quantize_base
+from memfit.techniques.quantized_experts import quantize_experts
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,12 +61,14 @@ class Prepared:
     tokenizer: Any
     """The text model's tokenizer; ``None`` for vision models."""
     task: str
-    """``classification`` or ``causal-lm`` (``auto`` resolved)."""
+    """``classification``, ``causal-lm`` or ``seq2seq`` (``auto`` resolved)."""
     causal_encoders: tuple[CausalEncoder, CausalEncoder] | None = None
     """Causal-LM runs: the training and validation examples tokenised (in :func:`prepare`, where a completion
     too long for ``--max-length`` is reported before anything is written)."""
     packed: PackedEncoder | None = None
     """``--packing``: the training examples packed into rows, the training encoder (:mod:`memfit.data.packing`)."""
+    seq2seq_encoders: tuple[Seq2SeqEncoder, Seq2SeqEncoder] | None = None
+    """seq2seq runs: the training and validation sources and targets tokenised (:mod:`memfit.data.seq2seq`)."""
 
     @property
     def label_names(self) -> list[str]:
@@ -64,15 +80,17 @@ class Prepared:
         return len(self.packed) if self.packed is not None else len(self.train_examples)
 
     def encoder(self, examples: datasets.Examples) -> Encoder:
+        if self.seq2seq_encoders is not None:
+            return self.seq2seq_encoders[0 if examples is self.train_examples else 1]
         if self.causal_encoders is not None:
             if examples is self.train_examples:
                 return self.packed if self.packed is not None else self.causal_encoders[0]
             return self.causal_encoders[1]
         if isinstance(examples, datasets.TextExamples):
-            return TextEncoder.build(examples, self.tokenizer, self.config.max_length)
+            return TextEncoder.build(examples, self.tokenizer, self.config.max_length,
+                                     eos_token_id=classification_eos(self.spec, self.task))
         assert isinstance(examples, datasets.ImageExamples), "causal-LM examples have their encoders"
-        hf_config = self.spec.hf_config
-        return ImageEncoder.build(examples, int(hf_config.image_size), int(hf_config.num_channels))
+        return ImageEncoder.build(examples, self.spec.image_size, self.spec.num_channels)
 
 
 def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> Prepared:
@@ -94,15 +112,19 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
     spec = problems.collect(lambda: resolve_model(config.model, weights=True, log=log))
     task = resolve_task(config, spec)
     problems.lines.extend(packing_problems(config.packing, task, spec.hf_config if spec is not None else None))
+    if spec is not None:
+        problems.lines.extend(task_fit_problems(config, spec, task))
     data_problems = Problems()
     examples = data_problems.collect(lambda: datasets.load_examples(config.data, columns=config.columns, task=task))
     tokenizer = None
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
+        problems.lines.extend(architecture_problems(spec.hf_config))
         if spec.modality == "text":
             tokenizer = problems.collect(lambda: load_tokenizer(spec))
             vocab = len(tokenizer) if tokenizer is not None else None
             problems.lines.extend(check_compatible(spec, max_length=config.max_length, vocab_size=vocab))
+            problems.lines.extend(eos_problems(spec, task, tokenizer))
     if spec is not None and examples is not None:
         data_problems.lines.extend(_head_problems(config, spec, examples))
     if problems or data_problems:  # data-only mistakes are a DataError, anything else a ConfigError
@@ -111,23 +133,73 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
     train_examples, val_examples = datasets.split(examples, val_fraction=config.val_fraction, seed=config.seed)
     train_examples = datasets.first(train_examples, config.train_samples)
     val_examples = datasets.first(val_examples, config.val_samples)
-    encoders = None
+    encoders = pairs = None
     if isinstance(train_examples, datasets.CausalExamples) and isinstance(val_examples, datasets.CausalExamples):
-        encoders = causal_encoders(config, tokenizer, train_examples, val_examples)
+        if task == "seq2seq":
+            pairs = seq2seq_encoders(config, spec, tokenizer, train_examples, val_examples)
+        else:
+            encoders = causal_encoders(config, tokenizer, train_examples, val_examples)
     packed = PackedEncoder.build(encoders[0], config.max_length, seed=config.seed) \
         if config.packing and encoders is not None else None
     return Prepared(config=config, device=device, precision=Precision(precision_name, device.kind), spec=spec,
                     train_examples=train_examples, val_examples=val_examples, tokenizer=tokenizer, task=task,
-                    causal_encoders=encoders, packed=packed)
+                    causal_encoders=encoders, packed=packed, seq2seq_encoders=pairs)
 
 
 def resolve_task(config: TrainConfig, spec: ModelSpec | None) -> str:
-    """``--task auto``: causal-LM fine-tuning for instruction data and for decoder LLMs, else classification."""
+    """``--task auto``: for instruction data, seq2seq on an encoder-decoder model and causal-LM fine-tuning on
+    any other; causal-LM fine-tuning for decoder LLMs; else classification."""
     if config.task != "auto":
         return config.task
-    if datasets.holds_instructions(config.data, config.columns) or (spec is not None and is_decoder_llm(spec)):
+    if datasets.holds_instructions(config.data, config.columns):
+        return "seq2seq" if spec is not None and is_encoder_decoder(spec) else "causal-lm"
+    if spec is not None and is_decoder_llm(spec):
         return "causal-lm"
     return "classification"
+
+
+def task_fit_problems(config: TrainConfig, spec: ModelSpec, task: str) -> list[str]:
+    """The model against the task (:func:`memfit.models.task_problems`), and ``--max-target-length``, which
+    only a seq2seq run has."""
+    problems = task_problems(spec, task)
+    if config.max_target_length is not None and task != "seq2seq":
+        problems.append(f"--max-target-length is the target length of --task seq2seq, and this run is {task}: "
+                        "drop it")
+    limit = getattr(spec.hf_config, "max_position_embeddings", None)
+    if task == "seq2seq" and config.max_target_length is not None and limit is not None and \
+            config.max_target_length > limit:
+        problems.append(f"--max-target-length {config.max_target_length} exceeds the model's {limit} positions; "
+                        f"use at most {limit}")
+    return problems
+
+
+def classification_eos(spec: ModelSpec, task: str) -> int | None:
+    """The end-of-sequence id that every text of an encoder-decoder's classification run holds exactly once
+    (BART's and T5's heads read the hidden state there; :func:`memfit.data.batches.with_one_eos`), else
+    ``None``."""
+    return end_token_id(spec) if task == "classification" and is_encoder_decoder(spec) else None
+
+
+def eos_problems(spec: ModelSpec, task: str, tokenizer: Any) -> list[str]:
+    """A tokenizer that pads with the end-of-sequence token would put more of it into every padded row than
+    an encoder-decoder's classification head allows."""
+    eos = classification_eos(spec, task)
+    if eos is None or tokenizer is None or tokenizer.pad_token_id != eos:
+        return []
+    return [f"--model {spec.name}: its tokenizer pads with the end-of-sequence token (id {eos}), which the "
+            "classification head of an encoder-decoder finds once per text; give the tokenizer a pad token of its "
+            "own (tokenizer_config.json)"]
+
+
+def seq2seq_encoders(config: TrainConfig, spec: ModelSpec, tokenizer: Any, train: datasets.CausalExamples,
+                     val: datasets.CausalExamples) -> tuple[Seq2SeqEncoder, Seq2SeqEncoder]:
+    """The training and validation sources and targets, the decoder inputs made by the model's own shift."""
+    shift = decoder_input_shift(spec, tokenizer.pad_token_id)
+    made = [Seq2SeqEncoder.build(examples, tokenizer, max_length=config.max_length,
+                                 target_length=config.target_length, eos_token_id=end_token_id(spec), shift=shift,
+                                 choices=examples is val)  # only the validation examples score candidates
+            for examples in (train, val)]
+    return made[0], made[1]
 
 
 def causal_encoders(config: TrainConfig, tokenizer: Any, train: datasets.CausalExamples,
@@ -145,6 +217,9 @@ def causal_encoders(config: TrainConfig, tokenizer: Any, train: datasets.CausalE
 
 
 def depth_problems(config: TrainConfig, spec: ModelSpec) -> list[str]:
+    if config.train_top_layers is not None and is_encoder_decoder(spec):
+        return [f"--train-top-layers counts one stack of blocks, and {spec.name} has an encoder and a decoder; "
+                "drop it (or train LoRA adapters on both: --lora-rank)"]
     if config.train_top_layers is not None and config.train_top_layers > spec.num_layers:
         return [f"--train-top-layers {config.train_top_layers} is larger than {spec.name}'s "
                 f"{spec.num_layers} layers; use 1..{spec.num_layers}"]
@@ -204,7 +279,11 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
                                   task=task)
     if config.packing:  # transformers reads packed positions only in a forward without a KV cache
         disable_cache(model)
+    if is_encoder_decoder(spec) and task != "causal-lm":  # a training forward needs no KV cache: an encoder-
+        disable_cache(model)  # decoder turns it off when handed labels, which memfit's loss never hands it
     quantize_base(model, config.quantize_base, low_dtype or torch.float32)
+    if config.quantize_base == "nf4":  # a mixture-of-experts block's stacked expert weights too
+        quantize_experts(model, low_dtype or torch.float32)
     apply_freezing(model, freeze_embeddings=config.freeze_embeddings, train_top_layers=config.train_top_layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -69,9 +69,10 @@ def _model_and_data_options(parser: argparse.ArgumentParser, defaults: TrainConf
     data.add_argument("--data-config", help="configuration (subset) of a Hub dataset that has several")
     data.add_argument("--data-format", choices=DATA_FORMATS, help="how a table's rows become examples [auto: "
                                                                   "recognised from the columns]")
-    data.add_argument("--task", choices=TASKS, help="classification, or causal-LM fine-tuning on instruction "
-                                                    "data [auto: causal-lm for prompt/completion or messages data "
-                                                    "and for decoder LLMs]")
+    data.add_argument("--task", choices=TASKS, help="classification, or fine-tuning on instruction data: causal-lm "
+                                                    "(decoders), seq2seq (encoder-decoders: T5, BART) [auto: "
+                                                    "instruction data: seq2seq on an encoder-decoder, else "
+                                                    "causal-lm; causal-lm for decoder LLMs]")
     data.add_argument("--text-column", help=f"text column of a CSV/JSONL file [{defaults.text_column}]")
     data.add_argument("--label-column", help=f"label column of a CSV/JSONL file [{defaults.label_column}]")
     data.add_argument("--prompt-column", help=f"prompt column of instruction data [{defaults.prompt_column}]")
@@ -80,6 +81,8 @@ def _model_and_data_options(parser: argparse.ArgumentParser, defaults: TrainConf
     data.add_argument("--messages-column", help="chat field of instruction data: a list of role/content turns "
                                                 f"ending with the answer [{defaults.messages_column}]")
     data.add_argument("--max-length", type=int, help=f"tokens per text [{defaults.max_length}]")
+    data.add_argument("--max-target-length", type=int, help="seq2seq: tokens per target, the decoder's side "
+                                                            "[--max-length]")
     data.add_argument("--val-fraction", type=float, help=f"held-out share [{defaults.val_fraction}]")
     data.add_argument("--train-samples", type=int, help="use only N training examples")
     data.add_argument("--val-samples", type=int, help="use only N validation examples")
@@ -267,6 +270,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                                                             f"plan [{defaults.effective_batch}]")
     target.add_argument("--num-labels", type=int, default=2, help="classes of the task head [2]")
     target.add_argument("--task", choices=TASKS, help="[auto: causal-lm for decoder LLMs]")
+    target.add_argument("--max-target-length", type=int, help="seq2seq: tokens per target [--seq-len]")
     budget = parser.add_argument_group("the budget")
     budget.add_argument("--device", default="1080ti", help=f"device profile ({', '.join(PROFILES)}) or a "
                                                            ".toml/.json profile file [1080ti]")
@@ -358,8 +362,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from memfit.planner.allowed import Allowed
 
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer", "distributed", "task")
-             if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in ("model", "effective_batch", "optimizer", "distributed", "task",
+                                                    "max_target_length") if getattr(args, name) is not None}
     if args.seq_len is not None:
         given["max_length"] = args.seq_len
     config = from_mapping({**values, **given})

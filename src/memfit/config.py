@@ -30,7 +30,7 @@ OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged-adamw8bit")
 QUANTIZE_BASE = ("none", "nf4", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED = ("none", "ddp", "fsdp", "auto")
-TASKS = ("auto", "classification", "causal-lm")
+TASKS = ("auto", "classification", "causal-lm", "seq2seq")
 OPT_INS = ("allow_freeze", "allow_8bit_optimizer", "allow_offload", "allow_optimizer_in_backward", "allow_bf16_true",
            "allow_lora", "allow_qlora")
 """The planning opt-ins (``--allow-*``): what ``budget`` may plan beyond the accuracy-neutral setups."""
@@ -56,22 +56,28 @@ class TrainConfig:
     """``auto | alpaca | sharegpt | messages | prompt-completion | text-label``: how a table's rows become
     examples; auto recognises it from the columns (:mod:`memfit.data.formats`)."""
     task: str = "auto"
-    """``classification | causal-lm | auto``. auto: causal-LM fine-tuning for instruction data
-    (prompt/completion or messages) and for decoder LLMs (the LLM presets, ``*ForCausalLM`` directories);
-    otherwise classification."""
+    """``classification | causal-lm | seq2seq | auto``. auto: for instruction data (prompt/completion or
+    messages), seq2seq on an encoder-decoder model (T5, BART) and causal-LM fine-tuning on any other; causal-LM
+    fine-tuning for decoder LLMs (the LLM presets, ``*ForCausalLM`` directories); otherwise classification.
+    seq2seq: the prompt is the encoder's source, the completion the decoder's target (the loss is on it)."""
     text_column: str = "text"
     """Column holding the text in a CSV/JSONL file."""
     label_column: str = "label"
     """Column holding the label in a CSV/JSONL file."""
     prompt_column: str = "prompt"
-    """Column holding the prompt of an instruction pair (causal-lm)."""
+    """Column holding the prompt of an instruction pair (causal-lm; the source of seq2seq)."""
     completion_column: str = "completion"
-    """Column holding the completion of an instruction pair: what the model learns to write (causal-lm)."""
+    """Column holding the completion of an instruction pair: what the model learns to write (causal-lm; the
+    target of seq2seq)."""
     messages_column: str = "messages"
     """Field holding a chat conversation, a list of {"role", "content"} turns ending with the answer."""
     max_length: int = 64
     """Tokens per text after truncation. Activation memory grows linearly (quadratically for the math attention
     kernel) with it."""
+    max_target_length: int | None = None
+    """seq2seq: tokens per target (the decoder's side) after truncation, the end-of-sequence token kept.
+    ``None``: ``max_length``. The decoder's activations and the logits (target tokens x vocabulary) grow with
+    it; a summary's target is often far shorter than its source."""
     val_fraction: float = 0.1
     """Share of the examples held out for validation, by a split seeded with ``seed``."""
     train_samples: int | None = None
@@ -154,7 +160,7 @@ class TrainConfig:
     train_top_layers: int | None = None
     """Train only the top K transformer layers plus the head; everything below is frozen."""
     loss_chunk: int | None = None
-    """Causal LM: the loss over chunks of N token positions, each chunk's fp32 logits and log-softmax
+    """Causal LM and seq2seq: the loss over chunks of N token positions, each chunk's fp32 logits and log-softmax
     recomputed in backward instead of kept (:mod:`memfit.techniques.chunked_loss`)."""
     lora_rank: int = 0
     """LoRA adapters of this rank on the blocks' Linear layers, the base frozen (:mod:`memfit.techniques.lora`);
@@ -290,6 +296,11 @@ class TrainConfig:
         if self.emulate_budget is None:
             return None
         return parse_bytes(str(self.emulate_budget), option="--emulate-budget")
+
+    @property
+    def target_length(self) -> int:
+        """seq2seq: the target's tokens (``max_target_length``, else ``max_length``)."""
+        return self.max_target_length or self.max_length
 
     @property
     def per_rank_batch(self) -> int:
@@ -434,7 +445,8 @@ def _check_numbers(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--max-grad-norm must be > 0 (got {config.max_grad_norm}); omit it to disable clipping")
     if config.init_scale <= 0:
         problems.add(f"--init-scale must be > 0 (got {config.init_scale})")
-    for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every", "loss_chunk"):
+    for name in ("train_samples", "val_samples", "max_steps", "micro_batch_size", "save_every", "loss_chunk",
+                 "max_target_length"):
         value = getattr(config, name)
         if value is not None:
             _check_positive(problems, name, value)

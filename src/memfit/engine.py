@@ -37,6 +37,7 @@ from memfit.report import Reporter, Summary, format_bytes, write_json
 from memfit.resolved import config_rows, prepare_planned
 from memfit.run import Run
 from memfit.step import optimizer_step
+from memfit.support import model_support
 from memfit.techniques.lora import save_merged
 from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.oom import OomRecovery, StepWatch, oom_message
@@ -83,8 +84,9 @@ def loop(run: Run) -> None:
             window = run.next_window()
             run.timeline.start_before(state.position.step + 1)
             started = time.perf_counter()
-            loss, items = run_window(run, window)  # forward + backward; gradients accumulate in .grad
-            check = step_optimizer(run, loss)  # unscale, check, clip, step; an OOM here stops the run
+            with model_support(run.prepared.spec.hf_config, active=state.position.step == 0):  # (one line)
+                loss, items = run_window(run, window)  # forward + backward; gradients accumulate in .grad
+                check = step_optimizer(run, loss)  # unscale, check, clip, step; an OOM here stops the run
             del loss  # not alive into the next window (the estimator's trace frees it there too)
             seconds = time.perf_counter() - started
             state.finish_window(len(window), items, check, seconds=seconds)
@@ -205,7 +207,8 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
     config = prepared.config
     total_steps = min(config.max_steps or sys.maxsize,
                       config.epochs * math.ceil(prepared.num_train_samples / config.effective_batch))
-    model: nn.Module = build_model_for(prepared)  # freeze -> checkpointing (-> sharding, below)
+    with model_support(prepared.spec.hf_config):  # an architecture memfit cannot build: one line
+        model: nn.Module = build_model_for(prepared)  # freeze -> checkpointing (-> sharding, below)
     trainable, total = count_parameters(model)
     architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later
     if resumed is not None:  # a checkpoint of another model is refused before anything changes

@@ -1,4 +1,5 @@
-"""``memfit generate``: a greedy completion from a fine-tuned causal LM (or a pretrained LLM preset).
+"""``memfit generate``: a greedy completion from a fine-tuned causal LM (or a pretrained LLM preset), or the
+target a fine-tuned seq2seq model (T5, BART) writes for a source.
 
 A LoRA run saves its adapter (PEFT's format) rather than a full model: generating from it loads the merged
 model that ``--merge`` wrote beside it, else rebuilds the base the run trained (the model it names, built as
@@ -35,7 +36,7 @@ def model_directory(source: str) -> Path:
 
 def generate(source: str, prompt: str, *, max_new_tokens: int = 64, raw: bool = False) -> str:
     """The greedy completion of ``prompt`` (one user turn through the chat template, unless ``raw`` or the
-    tokenizer has none)."""
+    tokenizer has none); for a seq2seq model, the target it writes for ``prompt`` as its source."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     from memfit.quiet import quiet_imports
@@ -52,12 +53,16 @@ def generate(source: str, prompt: str, *, max_new_tokens: int = 64, raw: bool = 
             warnings.simplefilter("ignore")
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
             model = adapted_model(directory, tokenizer.pad_token_id) if (directory / ADAPTER_CONFIG).is_file() \
-                else transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+                else language_model(directory)
     except (ValueError, OSError) as error:
-        raise ConfigError(f"{source}: not a causal LM memfit can load ({str(error).splitlines()[0]}); give the "
-                          "run dir of a --task causal-lm run") from None
+        raise ConfigError(f"{source}: not a causal LM or seq2seq model memfit can load "
+                          f"({str(error).splitlines()[0]}); give the run dir of a --task causal-lm or seq2seq "
+                          "run") from None
     model.eval()
-    if not raw and getattr(tokenizer, "chat_template", None):
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    if encoder_decoder:  # the source as the run's encoder read it (memfit.data.seq2seq): no template
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    elif not raw and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -67,7 +72,27 @@ def generate(source: str, prompt: str, *, max_new_tokens: int = 64, raw: bool = 
         warnings.simplefilter("ignore")
         output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return str(tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)).strip()
+    written = output[0, ids.shape[1]:].tolist()  # a decoder-only model's output starts with the prompt
+    if encoder_decoder:  # an encoder-decoder's with its start token; it ends with the model's end token
+        written = [token for token in output[0].tolist() if token not in control_ids(model.config)]
+    return str(tokenizer.decode(written, skip_special_tokens=True)).strip()
+
+
+def control_ids(config: Any) -> set[int]:
+    """An encoder-decoder's start, end and pad ids, from its config: a tokenizer borrowed by a config-only
+    model (memfit's packaged WordPiece) does not know them as special."""
+    names = ("decoder_start_token_id", "eos_token_id", "pad_token_id")
+    return {value for value in (getattr(config, name, None) for name in names) if isinstance(value, int)}
+
+
+def language_model(directory: Path) -> Any:
+    """The saved model of a causal-LM or seq2seq run (an encoder-decoder config: the seq2seq head)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(directory))
+    auto_class = transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) \
+        else transformers.AutoModelForCausalLM
+    return auto_class.from_pretrained(str(directory))
 
 
 def adapted_model(adapter_dir: Path, pad_token_id: int | None) -> Any:
@@ -76,14 +101,14 @@ def adapted_model(adapter_dir: Path, pad_token_id: int | None) -> Any:
     from memfit.techniques.lora import merge_adapter
 
     base_name, seed, task = adapter_run(adapter_dir)
-    if task != "causal-lm":
-        raise ConfigError(f"{adapter_dir}: the adapter of a {task} run, not a causal LM; give the run dir of a "
-                          "--task causal-lm run")
+    if task not in ("causal-lm", "seq2seq"):
+        raise ConfigError(f"{adapter_dir}: the adapter of a {task} run, not a causal LM or seq2seq model; give the "
+                          "run dir of a --task causal-lm or seq2seq run")
     spec = base_spec(adapter_dir, base_name)
     if spec.weights_dir is None and not (adapter_dir.parent / "summary.json").is_file():
         raise ConfigError(f"{adapter_dir}: its base {base_name} has no pretrained weights, and the run's seed (in "
                           "its summary.json) is not beside it to rebuild the random init; give the run dir")
-    base = build_base(spec, seed=seed, label_names=[], pad_token_id=pad_token_id, task="causal-lm")
+    base = build_base(spec, seed=seed, label_names=[], pad_token_id=pad_token_id, task=task)
     return merge_adapter(adapter_dir, base)
 
 

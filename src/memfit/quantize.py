@@ -40,7 +40,7 @@ from memfit.build import Prepared, prepare
 from memfit.config import TrainConfig, from_mapping
 from memfit.data.batches import Encoder, cut
 from memfit.errors import ConfigError
-from memfit.models import build_model
+from memfit.models import build_model, is_vision_config
 from memfit.quiet import NOISY_LOGGERS, raised_loggers
 from memfit.step import loss_sum
 
@@ -166,7 +166,7 @@ def load_quantized(path: str | Path) -> nn.Module:
     if info["backend"] == "onnxruntime":
         return onnx_int8.OnnxClassifier(directory / onnx_int8.MODEL_FILE)
     config = transformers.AutoConfig.from_pretrained(str(directory))
-    auto = (transformers.AutoModelForImageClassification if hasattr(config, "image_size")
+    auto = (transformers.AutoModelForImageClassification if is_vision_config(config)
             else transformers.AutoModelForSequenceClassification)
     model = auto.from_config(config).eval()
     if info["backend"] == "torchao":
@@ -258,8 +258,9 @@ def weights_bytes(directory: Path) -> int:
 
 def classification_only(prepared: Prepared, source: str, command: str) -> Prepared:
     if prepared.task != "classification":
-        raise ConfigError(f"memfit {command} works on classification models, and {source} is a causal LM; "
-                          "evaluate a causal-LM run with its own summary.json (val_accuracy, val_perplexity)")
+        kind = "a causal LM" if prepared.task == "causal-lm" else f"a {prepared.task} model"
+        raise ConfigError(f"memfit {command} works on classification models, and {source} is {kind}; evaluate "
+                          f"a {prepared.task} run with its own summary.json (val_accuracy, val_perplexity)")
     return prepared
 
 

@@ -114,7 +114,8 @@ def config_rows(prepared: Prepared, output_dir: Path | str, trainable: int, tota
                       f"{' per parameter inside backward' if config.optimizer_in_backward else ''}, "
                       f"clip {config.max_grad_norm if config.max_grad_norm is not None else 'off'}"),
         ("schedule", f"{config.epochs} epoch(s), max steps {config.max_steps or '-'}, seed {config.seed}, "
-                     f"max length {config.max_length}"),
+                     f"max length {config.max_length}"
+                     f"{f', target length {config.target_length}' if prepared.task == 'seq2seq' else ''}"),
         *([("plan", plan_label(plan))] if plan is not None and plan.chosen is not None else []),
         ("output", str(output_dir)),
     ]

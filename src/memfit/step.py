@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.batches import Batch
+from memfit.support import model_logits
 from memfit.techniques.chunked_loss import chunked_loss_sum
 from memfit.techniques.optim import advance_schedule
 from memfit.techniques.precision import Precision
+from memfit.techniques.router_loss import with_router_loss
 from memfit.techniques.stability import StepCheck, guarded_step, read_values
 
 IGNORE_INDEX = -100
@@ -39,11 +41,12 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy in fp32, logits) of one micro-batch."""
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
-    logits = model(**inputs).logits  # (B, C), or (B, S, C) for token-level heads
+    outputs = model(**inputs)
+    logits = model_logits(model, outputs)  # (B, C), or (B, S, C) for token-level heads
     labels = batch["labels"]
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            reduction="sum", ignore_index=IGNORE_INDEX)
-    return loss, logits
+    return with_router_loss(loss, outputs, model, labels), logits
 
 
 class PhaseTracker(Protocol):

@@ -132,6 +132,8 @@ def print_estimate(console: Console, result: Any) -> None:
 
     shape = (f"seq len {result.sequence_length}" if result.sequence_length is not None
              else f"image {result.image_size}px")
+    if result.config.get("max_target_length"):  # seq2seq: the decoder's side (else the sequence length)
+        shape += f", target len {result.config['max_target_length']}"
     console.print(f"[bold]memfit estimate[/]: {result.config['model']} on {result.device}, micro-batch "
                   f"{result.micro_batch_size} x {result.accumulation_steps}, {shape}, {result.precision}, "
                   f"checkpointing {result.config['checkpointing']}"

@@ -148,7 +148,11 @@ def test_a_completion_longer_than_max_length_and_chat_without_template_are_refus
 
 def test_llm_presets_have_their_published_sizes() -> None:
     expected = {"llama-3.2-1b": 1.236, "llama-3.1-8b": 8.03, "qwen2.5-0.5b": 0.494, "qwen2.5-7b": 7.616,
-                "mistral-7b": 7.248, "phi-3.5-mini": 3.821, "gemma-2-2b": 2.614, "smollm2-1.7b": 1.711}
+                "mistral-7b": 7.248, "phi-3.5-mini": 3.821, "gemma-2-2b": 2.614, "smollm2-1.7b": 1.711,
+                # mixture-of-experts: every expert counted (OLMoE 6.9 B, DeepSeek-V2-Lite 15.7 B, gpt-oss 20.9 B,
+                # Qwen3-30B-A3B 30.5 B, Mixtral 46.7 B as published)
+                "olmoe-1b-7b": 6.919, "deepseek-v2-lite": 15.706, "gpt-oss-20b": 20.915, "qwen3-30b-a3b": 30.532,
+                "mixtral-8x7b": 46.703}
     for name, billions in expected.items():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(LLM_PRESET_CONFIGS[name]())

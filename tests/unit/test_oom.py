@@ -156,12 +156,21 @@ def test_micro_batch_one_that_still_fails_stops_with_the_memory_needed(wide_bert
 
 def test_other_errors_propagate_unchanged(wide_bert: Path, reviews_csv: Path, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first step (where a failure of the model's own code is an architecture memfit does not support,
+    said in one line: memfit.support), an error that is not out of memory goes through OOM recovery as it is."""
+    real_loss_sum = memfit.step.loss_sum
+    calls = {"count": 0}
+
     def broken(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        raise ValueError("not a memory problem")
+        calls["count"] += 1
+        if calls["count"] > 4:  # after step 1's micro-batches
+            raise ValueError("not a memory problem")
+        return real_loss_sum(model, batch)
 
     monkeypatch.setattr(memfit.step, "loss_sum", broken)
     with pytest.raises(ValueError, match="not a memory problem"):
         run(wide_bert, reviews_csv, tmp_path / "run")
+    assert calls["count"] > 4
 
 
 def test_an_eval_oom_halves_only_the_eval_batch(wide_bert: Path, reviews_csv: Path, tmp_path: Path,

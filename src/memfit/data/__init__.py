@@ -57,17 +57,18 @@ def holds_instructions(data: str, columns: Columns) -> bool:
 
 def load_examples(data: str, *, columns: Columns, task: str = "classification") -> Examples:
     """Read ``--data`` for ``task``: a built-in name, a table (:mod:`memfit.data.sources`: a file, a Parquet
-    folder, a saved ``datasets`` directory, a Hub dataset), or an image folder. For ``causal-lm``, labelled
-    texts become instruction pairs (:func:`memfit.data.causal.as_instructions`)."""
-    causal = task == "causal-lm"
+    folder, a saved ``datasets`` directory, a Hub dataset), or an image folder. For ``causal-lm`` and
+    ``seq2seq``, labelled texts become instruction pairs (:func:`memfit.data.causal.as_instructions`)."""
+    causal = task in ("causal-lm", "seq2seq")
     if holds_instructions(data, columns) and not causal:
         raise DataError(f"--data {data} holds instruction pairs (prompt/completion, Alpaca, ShareGPT or messages); "
-                        "train them with --task causal-lm, or give labelled data for classification")
+                        "train them with --task causal-lm (or seq2seq for an encoder-decoder model), or give "
+                        "labelled data for classification")
     loaded = _read(data, columns, causal=causal)
     if causal and isinstance(loaded, TextExamples):
         loaded = replace(as_instructions(loaded), source_format=loaded.source_format)
     elif causal and isinstance(loaded, ImageExamples):
-        raise DataError(f"--data {data} holds images; --task causal-lm trains on text")
+        raise DataError(f"--data {data} holds images; --task {task} trains on text")
     if len(loaded) < 2:
         raise DataError(f"--data {data}: the dataset has {len(loaded)} usable example(s); "
                         "at least 2 are needed for a train/validation split")

@@ -47,15 +47,33 @@ class TextEncoder:
     pad_token_id: int
 
     @classmethod
-    def build(cls, examples: TextExamples, tokenizer: Any, max_length: int) -> TextEncoder:
+    def build(cls, examples: TextExamples, tokenizer: Any, max_length: int, *,
+              eos_token_id: int | None = None) -> TextEncoder:
+        """``eos_token_id``: every text holds that token exactly once (:func:`with_one_eos`), as an
+        encoder-decoder's classification head requires (it reads the hidden state at the end-of-sequence)."""
         encoded = tokenizer(examples.texts, truncation=True, max_length=max_length)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return cls(input_ids=list(encoded["input_ids"]), labels=list(examples.labels), pad_token_id=pad)
+        rows = [list(row) for row in encoded["input_ids"]]
+        if eos_token_id is not None:
+            rows = [with_one_eos(row, eos_token_id, max_length) for row in rows]
+        return cls(input_ids=rows, labels=list(examples.labels), pad_token_id=pad)
 
     def __call__(self, indices: Sequence[int]) -> Batch:
         batch = pad([self.input_ids[i] for i in indices], self.pad_token_id)
         batch["labels"] = torch.tensor([self.labels[i] for i in indices], dtype=torch.long)  # (B,)
         return batch
+
+
+def with_one_eos(row: list[int], eos_token_id: int, max_length: int) -> list[int]:
+    """``row`` holding ``eos_token_id`` exactly once: as it is when it does (BART's and T5's tokenizers end a
+    text with it), else without it and with one appended, within ``max_length`` tokens (a tokenizer whose end
+    token is another, such as the WordPiece one of config-only models). BART's and T5's classification heads
+    read the hidden state at the end-of-sequence token and refuse a batch whose rows hold different counts of
+    it; memfit's estimate relies on each row holding exactly one (:func:`memfit.memory.mask_values.known_eos`)."""
+    if row.count(eos_token_id) == 1:
+        return row
+    kept = [token for token in row if token != eos_token_id]
+    return [*kept[:max_length - 1], eos_token_id]
 
 
 def pad(rows: list[list[int]], pad_token_id: int) -> Batch:

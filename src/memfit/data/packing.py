@@ -105,6 +105,9 @@ def synthetic_rows(batch_size: int, length: int) -> Batch:
 def packing_problems(packing: bool, task: str, hf_config: Any = None) -> list[str]:
     """``--packing`` is for causal-LM data, on a model that reads ``position_ids``: the restarts in them are what
     keeps packed examples apart (models with ALiBi biases, Bloom and MPT, take none and would attend across)."""
+    if packing and task == "seq2seq":
+        return ["--packing packs causal-LM examples into full rows; a seq2seq example is two sequences, a source "
+                "for the encoder and a target for the decoder, which do not pack into one: drop --packing"]
     if packing and task != "causal-lm":
         return ["--packing packs causal-LM examples (prompt/completion or chat data) into full rows; this run is "
                 "classification, whose labels belong to whole texts: drop --packing"]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile, profile_for, resolve_device, resolve_profile
 from memfit.errors import ConfigError
+from memfit.models import is_mixture_of_experts
 from memfit.planner import Plan, plan
 from memfit.planner.allowed import NOTHING, Allowed
 from memfit.planner.report import checkpointing_argument
@@ -83,6 +84,15 @@ def model_technique(model: Any) -> dict[str, Any]:
     return settings
 
 
+def _mixture_of_experts(model: Any) -> bool:
+    """Whether ``model`` (an object, or a name resolved from its config) routes tokens to experts."""
+    if isinstance(model, str):
+        from memfit.models import resolve_model
+
+        return is_mixture_of_experts(resolve_model(model).hf_config)
+    return is_mixture_of_experts(getattr(_base_model(model), "config", None))
+
+
 def model_task(model: Any) -> tuple[str, int]:
     """memfit's task for ``model`` and its number of labels; :class:`~memfit.errors.ConfigError` (one line) for
     a head memfit does not plan: masked LM, sequence-to-sequence, vision-language."""
@@ -121,6 +131,10 @@ def plan_trainer_arguments(model: Any, *, budget: str | int, effective_batch: in
                           "backward or memory on the host; plan without allow.bf16_true, optimizer_in_backward and "
                           "offload, or train with memfit train")
     allow = allow.union(Allowed(lora=allow_lora, qlora=allow_qlora))
+    if allow_qlora and _mixture_of_experts(model):
+        raise ConfigError("a mixture-of-experts model's experts stay in 16 bits under Trainer's 4-bit loading "
+                          "(BitsAndBytesConfig quantises Linear layers), while memfit's QLoRA stores them in NF4: "
+                          "plan with allow_lora, or train QLoRA with memfit train")
     per_process = per_device_batch(effective_batch, world_size)
     if device is None and isinstance(model, str):
         raise ConfigError(f"{model}: name the card to plan for (device='1080ti', or another profile of memfit devices)")

@@ -51,6 +51,8 @@ from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation
 from memfit.memory.estimate import CATEGORIES, StepPeak, cublas_workspace_bytes, label_gradients, label_optimizer_state
 from memfit.memory.mask_values import known_masks
+from memfit.memory.moe import GroupedMatmulShapes
+from memfit.memory.norm_stats import NormStatsDtypes
 from memfit.memory.tracker import StorageTracker
 from memfit.quiet import raised_loggers
 
@@ -186,8 +188,9 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile, setup: StepSetup | 
         with raised_loggers("torch._subclasses.fake_tensor", level=logging.CRITICAL), fake_mode, \
                 _reparametrize_module(model, fakes, tie_weights=True), \
                 _on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
-                _checkpointing(model, setup), known_masks(all_ones=widest.unpadded), \
-                _own_scaler(trainer) as scaler, tracker, emulation or contextlib.nullcontext(), _PlaceholderReads():
+                _checkpointing(model, setup), known_masks(all_ones=widest.unpadded), GroupedMatmulShapes(), \
+                NormStatsDtypes(), _own_scaler(trainer) as scaler, tracker, \
+                emulation or contextlib.nullcontext(), _PlaceholderReads():
             workspace_bytes = cublas_workspace_bytes(model, emulation, allocator, recompute=_recomputes(model))
             _run(trainer, model, batch, num_items, tr_loss, tracker, fake_mode, scaler, cuda=cuda)
     finally:
@@ -299,12 +302,12 @@ def _fake_tensors(model: nn.Module, *, frozen_dtype: torch.dtype | None = None) 
 
 
 def frozen_weights(model: nn.Module) -> set[str]:
-    """Names of the frozen fp32 parameters of ``model``'s Linear and embedding layers: what
-    :func:`memfit.techniques.lora.store_frozen` stores in 16 bits."""
+    """Names of the frozen fp32 parameters that :func:`memfit.techniques.lora.store_frozen` stores in 16 bits
+    (Linear and embedding weights, a MoE block's stacked experts)."""
+    from memfit.techniques.lora import stored_in_16_bits
+
     return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-            if isinstance(module, (nn.Linear, nn.Embedding))
-            for name, parameter in module.named_parameters(recurse=False)
-            if not parameter.requires_grad and parameter.dtype == torch.float32}
+            for name, parameter in module.named_parameters(recurse=False) if stored_in_16_bits(module, parameter)}
 
 
 def _fake_like(tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -52,6 +52,7 @@ from memfit.errors import ConfigError, MemfitError, OverBudget, PredictionUnavai
 from memfit.memory.monitor import SUPPORTED, Monitor
 from memfit.quiet import quiet_imports, raised_loggers
 from memfit.report import format_bytes
+from memfit.support import describe, model_support
 from memfit.units import parse_bytes
 
 quiet_imports()  # transformers' model code and its quantizers (torchao) once, quietly
@@ -66,8 +67,6 @@ from memfit.integrations.trainer_step import TrainerStepEstimate, trace_trainer_
 WARN_ABOVE = 0.01
 """Measured above predicted by more than this share: warn (once)."""
 KEYS = ("memfit/peak_bytes", "memfit/predicted_peak_bytes", "memfit/peak_error")
-REASON_CHARACTERS = 200
-"""Another library's error is cut to this many characters as a reason: it is one clause of one line."""
 
 
 class MemfitCallback(TrainerCallback):
@@ -171,7 +170,8 @@ class MemfitCallback(TrainerCallback):
         :class:`~memfit.errors.PredictionUnavailable` (a budget, which cannot be checked then)."""
         try:
             self.profile = self._profile(device_type)
-            return trace_trainer_step(trainer, self.profile)
+            with model_support(getattr(trainer.model, "config", None)):
+                return trace_trainer_step(trainer, self.profile)
         except Exception as error:  # any failure of the trace: the run goes on, or the budget says why
             reason = _reason(error)
             if self.budget_bytes is not None:
@@ -234,9 +234,7 @@ def _reason(error: Exception) -> str:
     """``error`` as one clause: its first line (a memfit error's own words; else with its type's name)."""
     if isinstance(error, MemfitError):
         return "; ".join(error.problems)
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return text if len(text) <= REASON_CHARACTERS else text[:REASON_CHARACTERS - 3] + "..."
+    return describe(error)
 
 
 def _say(line: str) -> None:

@@ -107,9 +107,11 @@ def cublas_workspaces(compute_capability: tuple[int, int], *, biased_linear: boo
 
 
 def attention_kernel(compute_capability: tuple[int, int], dtype: torch.dtype, has_mask: bool,
-                     head_dim: int) -> str:
-    """The SDPA kernel CUDA would run: ``flash``, ``efficient`` or ``math``."""
-    if compute_capability >= (8, 0) and dtype in LOW_PRECISION and not has_mask and head_dim <= 256:
+                     head_dim: int, value_head_dim: int | None = None) -> str:
+    """The SDPA kernel CUDA would run: ``flash``, ``efficient`` or ``math``. Flash needs the values' head size
+    to be the queries' (multi-head latent attention's are not: DeepSeek's 192 and 128)."""
+    same_heads = value_head_dim is None or value_head_dim == head_dim
+    if compute_capability >= (8, 0) and dtype in LOW_PRECISION and not has_mask and head_dim <= 256 and same_heads:
         return "flash"
     if compute_capability >= (5, 0):
         return "efficient"
@@ -125,7 +127,7 @@ class _FusedAttention(torch.autograd.Function):
                 counter: CudaEmulation) -> torch.Tensor:
         counter.attention_flops += 4 * _attention_size(query, key)
         ctx.counter = counter
-        output = torch.empty_like(query)  # (B, H, S, D)
+        output = query.new_empty((*query.shape[:-1], value.shape[-1]))  # (B, H, S, D of the values)
         batch, heads = query.shape[0], query.shape[1]
         logsumexp = query.new_empty((batch, heads, lse_length), dtype=torch.float32)  # (B, H, S')
         rng_state = query.new_empty((2,), dtype=torch.int64) if dropout else query.new_empty((0,), dtype=torch.int64)
@@ -187,7 +189,8 @@ class CudaEmulation:
                    value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
-        kernel = attention_kernel(self.compute_capability, dtype, attn_mask is not None, query.shape[-1])
+        kernel = attention_kernel(self.compute_capability, dtype, attn_mask is not None, query.shape[-1],
+                                  value.shape[-1])
         if kernel == "math":
             return math_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                   scale=scale, enable_gqa=enable_gqa)

@@ -31,28 +31,48 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from memfit import distributed
-from memfit.build import build_optimizer_for, build_with_techniques, depth_problems, resolve_task
+from memfit.build import (
+    build_optimizer_for,
+    build_with_techniques,
+    classification_eos,
+    depth_problems,
+    resolve_task,
+    task_fit_problems,
+)
 from memfit.config import TrainConfig
 from memfit.data.batches import Batch
-from memfit.data.packing import packing_problems, synthetic_rows
+from memfit.data.packing import packing_problems
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory.build_values import BuildValuesFakeMode
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
-from memfit.memory.mask_values import known_masks
+from memfit.memory.mask_values import known_eos, known_masks
+from memfit.memory.moe import GroupedMatmulShapes
+from memfit.memory.norm_stats import NormStatsDtypes
+from memfit.memory.synthetic import TRACE_PAD, encoder_decoder_batch, shape_problems, synthetic_batch
 from memfit.memory.tracker import StorageTracker
-from memfit.models import ModelSpec, count_parameters, resolve_model, with_depth
-from memfit.quiet import quiet_imports, quiet_transformers
+from memfit.models import (
+    ModelSpec,
+    count_parameters,
+    is_encoder_decoder,
+    resolve_model,
+    with_depth,
+    with_image_size,
+)
+from memfit.quiet import quiet_imports, quiet_transformers, raised_loggers
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
+from memfit.support import architecture_problems, model_support
 from memfit.techniques.bf16_true import KAHAN_STATE
 from memfit.techniques.offload import OffloadedOptimizer
 from memfit.techniques.offload_activations import ActivationOffload, activation_offload_problems
@@ -66,6 +86,7 @@ CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients
 HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations", "paged_optimizer")
 """What holds host memory in a step (:attr:`Estimate.host_breakdown`)."""
 SCALER_TENSORS = 4
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,21 +191,28 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
         problems.lines.extend(activation_offload_problems(config.offload_activations, profile.kind))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
+        problems.lines.extend(architecture_problems(spec.hf_config))
         problems.lines.extend(shape_problems(spec, seq_len or config.max_length, image_size))
     problems.raise_if_any(ConfigError)
     assert profile is not None and spec is not None
     length = seq_len or config.max_length
     vision = spec.modality == "vision"
-    size = (image_size or int(spec.hf_config.image_size)) if vision else None
+    size = (image_size or spec.image_size) if vision else None
     spec = _config_only(spec if layers is None else with_depth(spec, layers), size)
     task = resolve_task(config, spec)
     problems.lines.extend(packing_problems(config.packing, task, spec.hf_config))
+    problems.lines.extend(task_fit_problems(config, spec, task))
     problems.raise_if_any(ConfigError)
     # Host batches and their item counts, made before any fake mode: counting reads label values.
     micro, per_rank = config.resolved_micro_batch_size, config.per_rank_batch  # one rank's share of a window
     counts = [min(micro, per_rank - start) for start in range(0, per_rank, micro)]
-    windows = [[synthetic_batch(spec, count, length, padded=padded, causal=task == "causal-lm",
-                                packed=config.packing) for count in counts] for _ in range(steps)]
+    if is_encoder_decoder(spec) and task != "causal-lm":
+        windows = [[encoder_decoder_batch(spec, count, length, padded=padded, task=task,
+                                          target_length=config.max_target_length or length) for count in counts]
+                   for _ in range(steps)]
+    else:
+        windows = [[synthetic_batch(spec, count, length, padded=padded, causal=task == "causal-lm",
+                                    packed=config.packing) for count in counts] for _ in range(steps)]
     if lean_warmup and steps > 1:  # step 1 only creates the optimizer state: one micro-batch does that
         windows[0] = windows[0][:1]
     return TraceInputs(profile=profile, spec=spec, precision=precision_name,
@@ -217,7 +245,10 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     # before the trace consumes the windows; samples, not items (a causal LM's items are its labelled tokens)
     traced_samples = sum(len(batch["labels"]) for window in trace.windows for batch in window)
     traced_micro_steps = sum(len(window) for window in trace.windows)
-    run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels)
+    # fake tensors log each op they cannot run; the one line that follows says it once
+    with model_support(trace.spec.hf_config), raised_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
+        run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops,
+                           num_labels=num_labels)
     tracker, profile = run.tracker, trace.profile
     extra = run.scaler_bytes + run.workspace_bytes
     peak = tracker.peak_bytes + extra
@@ -266,21 +297,27 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
     precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
     allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
     tracker = StorageTracker(allocator=allocator, count_flops=count_flops)
-    fake_mode = None if execute else FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = None if execute else BuildValuesFakeMode()
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
                    for window in windows]
     world = distributed.fake_world(config.world_size) if strategy == "fsdp" else contextlib.nullcontext()
     with world as mesh, fake_mode or contextlib.nullcontext(), (
-            contextlib.nullcontext() if execute else _no_init_weights()):
-        labels = [str(i) for i in range(num_labels)]
-        model: torch.nn.Module = build_with_techniques(trace.spec, config, label_names=labels, pad_token_id=0,
-                                                       task=trace.task, low_dtype=precision.low_dtype,
-                                                       weights_dtype=precision.weights_dtype)
+            contextlib.nullcontext() if execute else _no_init_weights()), (
+            contextlib.nullcontext() if execute else GroupedMatmulShapes()), (
+            contextlib.nullcontext() if execute else NormStatsDtypes()):
+        build = functools.partial(build_with_techniques, trace.spec, config,
+                                  label_names=[str(i) for i in range(num_labels)], pad_token_id=TRACE_PAD,
+                                  task=trace.task, low_dtype=precision.low_dtype,
+                                  weights_dtype=precision.weights_dtype)
+        model: torch.nn.Module = _built(build, fake_mode)
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
-        with tracker, emulation or contextlib.nullcontext(), known_masks(packed=config.packing):
+        # an encoder-decoder's causal mask is its decoder's, never padded (memfit.data.seq2seq): all ones
+        decoder_unpadded = is_encoder_decoder(trace.spec) and trace.task != "causal-lm"
+        with _eos_answers(trace, windows, execute=execute), tracker, emulation or contextlib.nullcontext(), \
+                known_masks(all_ones=decoder_unpadded, packed=config.packing):
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
@@ -292,6 +329,30 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                       persistent_grads=strategy == "ddp")
     return _TracedRun(tracker=tracker, allocator=allocator, emulation=emulation, scaler_bytes=scaler_bytes,
                       workspace_bytes=workspace_bytes, trainable=trainable, parameters=total)
+
+
+def _eos_answers(trace: TraceInputs, windows: list[list[Batch]], *,
+                 execute: bool) -> contextlib.AbstractContextManager[Any]:
+    """An encoder-decoder classification head's end-of-sequence questions on the fake inputs, answered as the
+    real batches answer them (:func:`memfit.memory.mask_values.known_eos`; entered below the tracker, which then
+    sees the real kernels' outputs). Real tensors (``execute``) and other models need no answer."""
+    eos = None if execute else classification_eos(trace.spec, trace.task)
+    if eos is None:
+        return contextlib.nullcontext()
+    return known_eos(eos, [batch["input_ids"] for window in windows for batch in window])
+
+
+def _built(build: Callable[[], torch.nn.Module], fake_mode: BuildValuesFakeMode | None) -> torch.nn.Module:
+    """The model, built as is; a constructor that reads values it computed from the config (ConvNeXt's
+    drop-path rates) is built again with those values known (:meth:`BuildValuesFakeMode.building`), which
+    only such models need."""
+    try:
+        return build()
+    except DataDependentOutputException:
+        if fake_mode is None:
+            raise
+    with fake_mode.building():
+        return build()
 
 
 def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision, windows: list[list[Batch]],
@@ -456,61 +517,11 @@ def resolve_strategy(config: TrainConfig, device: Device) -> str:
         return strategy_for(config, profile_for(device), config.emulate_budget_bytes)
 
 
-def synthetic_batch(spec: ModelSpec, batch_size: int, length: int, *, padded: bool = True,
-                    causal: bool = False, packed: bool = False) -> Batch:
-    """A host batch of the given shape: texts at full length, the worst case padding can reach.
-
-    ``padded``: one position is masked out, as in a padded batch. That is a different step, not only a
-    different mask: without a mask (the encoders leave out an all-ones one, :func:`memfit.data.batches.pad`)
-    attention runs SDPA with ``is_causal`` and grouped-query K/V as they are, while a padded batch builds a
-    (B, 1, S, S) mask and, for grouped-query attention, repeats K and V to every head, tensors the backward
-    keeps. (transformers cannot read a fake mask's values, so a fake all-ones mask would take the padded
-    branch.) A micro-batch of one sample is never padded; nor is any micro-batch of texts that all fill
-    ``--max-length``.
-
-    ``causal``: token labels, shifted as the causal-LM encoder shifts them, on every position but the last
-    (the worst case: a one-token prompt, the rest completion).
-
-    ``packed`` (with ``causal``): packed rows, ``position_ids`` and no mask
-    (:func:`memfit.data.packing.synthetic_rows`); the trace builds their block-diagonal mask as the real step
-    does (:func:`memfit.memory.mask_values.known_masks`).
-    """
-    if packed and causal:
-        return synthetic_rows(batch_size, length)
-    labels = torch.zeros((batch_size, length) if causal else (batch_size,), dtype=torch.long)  # (B, S) or (B,)
-    if causal:
-        labels[:, -1] = -100
-    if spec.modality == "vision":
-        channels, size = int(spec.hf_config.num_channels), int(spec.hf_config.image_size)
-        return {"pixel_values": torch.zeros(batch_size, channels, size, size), "labels": labels}  # (B, C, H, W)
-    batch = {"input_ids": torch.zeros(batch_size, length, dtype=torch.long), "labels": labels}  # (B, S)
-    if padded and batch_size > 1 and length > 1:
-        attention_mask = torch.ones(batch_size, length, dtype=torch.long)  # (B, S)
-        attention_mask[-1, -1] = 0
-        batch["attention_mask"] = attention_mask
-    return batch
-
-
-def shape_problems(spec: ModelSpec, length: int, image_size: int | None) -> list[str]:
-    hf = spec.hf_config
-    if spec.modality == "text":
-        limit = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
-        if limit is not None and length > limit:
-            return [f"--seq-len {length} exceeds {spec.name}'s {limit} positions; use at most {limit}"]
-        return []
-    size = image_size or int(hf.image_size)
-    patch = int(getattr(hf, "patch_size", 1))
-    if size % patch:
-        return [f"--image-size {size} does not divide into {patch}x{patch} patches; use a multiple of {patch}"]
-    return []
-
-
 def _config_only(spec: ModelSpec, image_size: int | None) -> ModelSpec:
     """The same architecture without weights (values are irrelevant to memory), at the requested image size."""
-    hf_config = spec.hf_config
-    if image_size is not None and image_size != getattr(hf_config, "image_size", image_size):
-        hf_config = hf_config.__class__.from_dict({**hf_config.to_dict(), "image_size": image_size})
-    return dataclasses.replace(spec, hf_config=hf_config, weights_dir=None)
+    if image_size is not None:
+        spec = with_image_size(spec, image_size)
+    return dataclasses.replace(spec, weights_dir=None)
 
 
 def _persistent_bytes(model: torch.nn.Module, config: TrainConfig, precision: Precision,

@@ -10,16 +10,23 @@ batch shows it), the mask is no padding; a mask with padding stays unread, and t
 the real step. A packed batch (``--packing``, :mod:`memfit.data.packing`) is the exception to the first:
 its positions restart where each example starts, and the real step finds those sequences and builds the
 block-diagonal 4-D mask, which the trace then builds too.
+
+An encoder-decoder's classification head (BART, mBART, T5) reads the batch too: it checks that every row holds as
+many end-of-sequence tokens and picks the hidden state at the last one, questions whose answers a fake tensor
+does not have (``unique_consecutive``, boolean indexing). memfit's batches hold exactly one per row, and
+:func:`known_eos` answers from that fact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -55,3 +62,75 @@ def known_masks(*, all_ones: bool = False, packed: bool = False) -> Iterator[Non
         yield
     finally:
         masking_utils._ignore_causal_mask_sdpa, masking_utils.find_packed_sequence_indices = ignore, find_packed
+
+
+# An encoder-decoder's classification head (BART, mBART, T5 ``*ForSequenceClassification.forward``, checked
+# against transformers 5.25) finds the end-of-sequence tokens from the values: ``eos_mask = input_ids.eq(eos)``,
+# ``torch.unique_consecutive(eos_mask.sum(1))`` to check every row holds as many, then ``hidden[eos_mask, :]``
+# (whose backward is ``index_put`` with the same mask). The ATen ops below and the CPU kernel's allocation
+# for ``unique_consecutive`` are torch 2.13's.
+ATEN = torch.ops.aten
+INDEX_PUTS = (ATEN.index_put.default, ATEN.index_put_.default, ATEN._index_put_impl_.default)
+
+
+class _Tagged:
+    """Tensors known by identity, held weakly (a tensor's ``==`` is elementwise, so no set of tensors)."""
+
+    def __init__(self, tensors: list[torch.Tensor] | None = None) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        for tensor in tensors or []:
+            self.add(tensor)
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self._refs[id(tensor)] = weakref.ref(tensor)
+
+    def __contains__(self, tensor: object) -> bool:
+        ref = self._refs.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+
+class OneEosPerRow(TorchDispatchMode):
+    """Answers the head's end-of-sequence questions on fake ``input_ids`` as the real batch answers them: each
+    row holds exactly one (memfit's encoders make it so: :func:`memfit.data.batches.with_one_eos`). Entered
+    below the storage tracker, so the tracker sees each answered op with the outputs the real kernel makes."""
+
+    def __init__(self, eos_token_id: int, input_ids: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.eos_token_id = eos_token_id
+        self.inputs = _Tagged(input_ids)
+        self.masks = _Tagged()
+        """``input_ids.eq(eos)``: one True per row."""
+        self.counts = _Tagged()
+        """``mask.sum(1)``: 1 in every row."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        answer = self._answer(func, args, kwargs)
+        if answer is not None:
+            return answer
+        out = func(*args, **kwargs)
+        if func is ATEN.eq.Scalar and args[0] in self.inputs and args[1] == self.eos_token_id:
+            self.masks.add(out)
+        elif func is ATEN.sum.dim_IntList and args[0] in self.masks and list(args[1]) in ([1], [-1]):
+            self.counts.add(out)
+        return out
+
+    def _answer(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        if func is ATEN.unique_consecutive.default and args[0] in self.counts and not any(args[1:3]) and \
+                not kwargs.get("return_inverse") and not kwargs.get("return_counts"):
+            counts = args[0]  # one distinct count; the CPU kernel allocates the input's size, then shrinks
+            return counts.new_empty(counts.shape)[:1], counts.new_empty((0,)), counts.new_empty((0,))
+        indices = args[1] if func is ATEN.index.Tensor or func in INDEX_PUTS else None
+        if not indices or indices[0] not in self.masks or any(index is not None for index in indices[1:]):
+            return None
+        source = args[0]
+        if func is ATEN.index.Tensor:  # (B, S, H)[mask] -> (B, H): one row each
+            return source.new_empty((source.shape[0], *source.shape[2:]))
+        return source if func is not ATEN.index_put.default else source.clone()  # the gradient, (B, S, H)
+
+
+def known_eos(eos_token_id: int | None, input_ids: list[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """Inside, an encoder-decoder classification head reads from these fake ``input_ids`` what the real batch
+    holds: exactly one ``eos_token_id`` per row (:class:`OneEosPerRow`); nothing changes when ``None``. The
+    inputs are held weakly: each is freed when its step drops it, as in the real run."""
+    return contextlib.nullcontext() if eos_token_id is None else OneEosPerRow(eos_token_id, input_ids)

@@ -87,7 +87,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
                 device=profile.name, device_description=profile.description, model=base.model,
                 effective_batch=base.effective_batch, sequence_length=None if spec.modality == "vision" else length,
-                image_size=(image_size or int(spec.hf_config.image_size)) if spec.modality == "vision" else None,
+                image_size=(image_size or spec.image_size) if spec.modality == "vision" else None,
                 verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
                 config=base.to_dict(), fixes=[item.fits for item in advice if item.fits is not None], opt_ins=given)
 

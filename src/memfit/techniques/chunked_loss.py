@@ -14,7 +14,8 @@ equal up to float rounding, not bit for bit.
 The output layer is chunked where the model's logits are exactly its output layer applied to its base model's
 last hidden state (a plain ``nn.Linear`` head with no logit scaling or soft-capping, in one process). Other
 models (soft-capped Gemma-2 logits, scaled logits, a head wrapped by PEFT, a sharded or replicated run) keep
-their whole logits and chunk only the fp32 copy and the log-softmax.
+their whole logits and chunk only the fp32 copy and the log-softmax; so do encoder-decoders (seq2seq), whose
+logits add a bias (BART) or scale the hidden state (T5) on top of the output layer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit.data.batches import Batch
+from memfit.support import model_logits
+from memfit.techniques.router_loss import adds_router_loss, with_router_loss
 
 IGNORE_INDEX = -100
 
@@ -50,15 +53,17 @@ def chunked_loss_sum(model: nn.Module, batch: Batch, *, chunk: int) -> tuple[tor
         for piece, target in zip(rows.split(chunk), targets.split(chunk), strict=True):
             total = total + checkpoint(_head_cross_entropy, head, piece, target, use_reentrant=False)
         return total, hidden
-    logits = model(**inputs).logits  # (B, S, V)
+    outputs = model(**inputs)
+    logits = model_logits(model, outputs)  # (B, S, V)
     if labels.dim() != 2:  # sequence-level labels: nothing to chunk
-        return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX), logits
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+        return with_router_loss(loss, outputs, model, labels), logits
     positions = logits.reshape(-1, logits.shape[-1])  # (B * S, V), a view
     targets = labels.reshape(-1)
     total = torch.zeros((), device=logits.device)
     for piece, target in zip(positions.split(chunk), targets.split(chunk), strict=True):
         total = total + checkpoint(_summed_cross_entropy, piece, target, use_reentrant=False)
-    return total, logits
+    return with_router_loss(total, outputs, model, labels), logits
 
 
 def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -78,9 +83,13 @@ def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     inner: Any = base_of() if callable(base_of) else model  # under PEFT: the model it wraps
     if isinstance(inner, FSDPModule) or not hasattr(inner, "get_output_embeddings"):
         return None  # a sharded (or wrapped) model runs its own forward: its root gathers the head
+    if adds_router_loss(inner):
+        return None  # the load-balancing loss comes from the whole model's forward
     head, decoder = inner.get_output_embeddings(), getattr(inner, "base_model", None)
     config = getattr(inner, "config", None)
     scaled = any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_SCALING)
+    # an encoder-decoder's logits are more than its head: BART adds final_logits_bias, T5 scales a tied head
+    scaled = scaled or bool(getattr(config, "is_encoder_decoder", False))
     if type(head) is not nn.Linear or not isinstance(decoder, nn.Module) or decoder is inner or scaled:
         return None
     return decoder, head

@@ -35,9 +35,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.models import transformer_layers
+from memfit.models import transformer_blocks
 from memfit.quiet import NOISY_LOGGERS, raised_loggers
 from memfit.techniques.quantized_base import bitsandbytes
+from memfit.techniques.quantized_experts import quantized_expert_names
 
 HEAD_NAMES = ("classifier", "score")
 """Classification heads of Hugging Face models: trained in full beside the adapters."""
@@ -45,38 +46,61 @@ HEAD_NAMES = ("classifier", "score")
 
 def lora_target_names(model: nn.Module, targets: tuple[str, ...], train_top_layers: int | None) -> list[str]:
     """Full names of the Linear layers (plain or quantised) that get adapters."""
-    blocks = list(transformer_layers(model))
+    return [f"{block_name}.{name}" for block_name, block in _adapted_blocks(model, train_top_layers)
+            for name, module in block.named_modules()
+            if isinstance(module, nn.Linear) and name and (not targets or name.rsplit(".", 1)[-1] in targets)]
+
+
+def lora_target_parameters(model: nn.Module, targets: tuple[str, ...], train_top_layers: int | None) -> list[str]:
+    """Full names of the stacked expert weights (3-D parameters of a mixture-of-experts block, not Linear layers)
+    that ``targets`` names by their last name (``gate_up_proj,down_proj``): PEFT's ``target_parameters``. Only
+    when named: by default a MoE model's adapters sit on its Linear layers (attention, shared experts)."""
+    if not targets:
+        return []
+    return [f"{block_name}.{name}" for block_name, block in _adapted_blocks(model, train_top_layers)
+            for name, parameter in block.named_parameters() if parameter.dim() == 3
+            and name.rsplit(".", 1)[-1] in targets]
+
+
+def _adapted_blocks(model: nn.Module, train_top_layers: int | None) -> list[tuple[str, nn.Module]]:
+    """(name, block) of the blocks that get adapters: every block (an encoder-decoder's in both stacks), or the
+    top ``train_top_layers``."""
+    blocks = transformer_blocks(model)
     if train_top_layers is not None:
         blocks = blocks[len(blocks) - train_top_layers:]
     block_ids = {id(block) for block in blocks}
-    names = []
-    for block_name, block in model.named_modules():
-        if id(block) not in block_ids:
-            continue
-        for name, module in block.named_modules():
-            if isinstance(module, nn.Linear) and name and (not targets or name.rsplit(".", 1)[-1] in targets):
-                names.append(f"{block_name}.{name}")
-    return names
+    return [(name, module) for name, module in model.named_modules() if id(module) in block_ids]
 
 
 def apply_lora(model: nn.Module, *, rank: int, alpha: float | None, dropout: float, targets: tuple[str, ...],
                train_top_layers: int | None, frozen_dtype: torch.dtype | None) -> nn.Module:
     """``model`` with LoRA adapters of ``rank`` (a ``peft.PeftModel``); the base is frozen, a classification
-    head trains in full. ``frozen_dtype``: store the frozen float Linear and embedding weights in it."""
-    names = lora_target_names(model, targets, train_top_layers)
-    if not names:
+    head trains in full. ``frozen_dtype``: store the frozen float Linear, embedding and expert weights in it.
+    ``targets`` may name a MoE block's stacked expert weights (:func:`lora_target_parameters`): PEFT adds the
+    low-rank update to each expert's weight in every forward (a temporary of the experts' size)."""
+    quantized = sorted(set(targets) & quantized_expert_names(model))
+    if quantized:
         from memfit.errors import ConfigError
 
-        raise ConfigError(f"--lora-targets {','.join(targets)} names no Linear layer of the transformer blocks; "
-                          "give names such as q_proj,v_proj or drop the option for every Linear")
+        raise ConfigError(f"--lora-targets {','.join(quantized)}: those expert weights are stored in NF4 "
+                          "(--quantize-base nf4) and cannot take adapters; drop them from --lora-targets, or use "
+                          "LoRA without --quantize-base")
+    names = lora_target_names(model, targets, train_top_layers)
+    parameters = lora_target_parameters(model, targets, train_top_layers)
+    if not names and not parameters:
+        from memfit.errors import ConfigError
+
+        raise ConfigError(f"--lora-targets {','.join(targets)} names no Linear layer (or expert weight) of the "
+                          "transformer blocks; give names such as q_proj,v_proj or drop the option for every Linear")
     fake = any(isinstance(p, FakeTensor) for p in model.parameters())
     with quiet_peft():
         from peft import LoraConfig, get_peft_model
 
         heads = [name for name in HEAD_NAMES if isinstance(getattr(model, name, None), nn.Module)]
         scale: Any = alpha if alpha is not None else 2 * rank  # PEFT types it int; a float works as well
-        config = LoraConfig(r=rank, lora_alpha=scale, lora_dropout=dropout,
-                            target_modules=names, modules_to_save=heads or None, bias="none")
+        experts: dict[str, Any] = {"target_parameters": parameters} if parameters else {}  # (PEFT >= 0.17)
+        config = LoraConfig(r=rank, lora_alpha=scale, lora_dropout=dropout, target_modules=names,
+                            modules_to_save=heads or None, bias="none", **experts)
         # PEFT moves each new adapter to its base layer's device (and dtype, then back to fp32): where it was
         # made, as it was made. On fake tensors (the estimator's trace) a module's move swaps its tensors,
         # which fake parameters do not always allow, so there the moves are skipped.
@@ -115,13 +139,22 @@ def _import_peft() -> None:
 
 
 def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
-    """Store the frozen fp32 weights of Linear and embedding layers in ``dtype``, in place (a weight tied to
-    another layer stays tied)."""
+    """Store the frozen fp32 weights of Linear and embedding layers, and a MoE block's stacked expert weights
+    (3-D: most of such a model's bytes), in ``dtype``, in place (a weight tied to another layer stays tied).
+    Norms and biases stay fp32."""
     for module in model.modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
-            for parameter in module.parameters(recurse=False):
-                if not parameter.requires_grad and parameter.dtype == torch.float32:
-                    parameter.data = parameter.data.to(dtype)
+        for parameter in module.parameters(recurse=False):
+            if stored_in_16_bits(module, parameter):
+                parameter.data = parameter.data.to(dtype)
+
+
+def stored_in_16_bits(module: nn.Module, parameter: nn.Parameter) -> bool:
+    """What :func:`store_frozen` stores in 16 bits: a frozen fp32 weight of a Linear or embedding layer, or a
+    MoE block's stacked expert weight (3-D, not a convolution's)."""
+    if parameter.requires_grad or parameter.dtype != torch.float32:
+        return False
+    experts = parameter.dim() == 3 and not isinstance(module, nn.modules.conv._ConvNd)
+    return isinstance(module, nn.Linear | nn.Embedding) or experts
 
 
 def is_lora(model: nn.Module) -> bool:

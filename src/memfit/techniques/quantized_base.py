@@ -8,9 +8,10 @@ quantisation error changes what the frozen layers compute, so the adapters train
 quantised weights cannot train) learn around it (SmolLM2-135M on rotten-tomatoes-sft here: 0.8 points below
 16-bit LoRA).
 
-Only the Linear layers inside the repeated transformer blocks are quantised; embeddings, norms and the output
-or classification head keep their precision, as in QLoRA. The compute dtype of the dequantised weights is the
-run's 16-bit dtype (fp32 under ``--precision fp32``).
+Only the Linear layers inside the repeated transformer blocks are quantised, and under ``nf4`` a
+mixture-of-experts block's stacked expert weights (:mod:`memfit.techniques.quantized_experts`);
+embeddings, norms and the output or classification head keep their precision, as in QLoRA. The compute
+dtype of the dequantised weights is the run's 16-bit dtype (fp32 under ``--precision fp32``).
 
 Applied first, before freezing and adapters: ``nf4`` uses ``bitsandbytes.nn.Linear4bit`` (blocksize 64,
 double quantisation on); ``int8`` uses ``bitsandbytes.nn.Linear8bitLt`` without outlier decomposition
@@ -42,7 +43,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.models import transformer_layers
+from memfit.models import transformer_blocks
 from memfit.quiet import raised_loggers
 
 NF4_BLOCKSIZE = 64
@@ -67,7 +68,7 @@ def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> No
     """Replace every ``nn.Linear`` of the repeated blocks by its ``kind`` (``nf4 | int8``) counterpart."""
     if kind == "none":
         return
-    for block in transformer_layers(model):
+    for block in transformer_blocks(model):  # (both stacks of an encoder-decoder)
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
@@ -169,6 +170,11 @@ def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
         cb = getattr(getattr(module, "weight", None), "CB", None)
         if isinstance(cb, torch.Tensor):  # an 8-bit layer
             tensors.extend([module.weight, cb, module.weight.SCB])
+        for packed in getattr(module, "parametrizations", {}).values():  # NF4 experts (quantized_experts)
+            state = getattr(packed.original, "quant_state", None)
+            if state is not None:
+                tensors.append(packed.original)
+                tensors.extend(_state_tensors(state))
     return tensors
 
 
