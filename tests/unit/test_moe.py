@@ -156,3 +156,25 @@ def test_adapters_on_nf4_experts_are_refused_in_one_line(tmp_path: Path) -> None
     model = write_moe(tmp_path, "qwen3_moe")
     with pytest.raises(ConfigError, match=r"^--lora-targets gate_up_proj: those expert weights are stored in NF4"):
         estimate(config(model, lora_rank=4, quantize_base="nf4", lora_targets="q_proj,gate_up_proj"), seq_len=16)
+
+
+def test_a_cuda_cards_grouped_matmul_pads_its_output_rows_to_16_bytes() -> None:
+    """As torch's own shape function makes it for CUDA: (rows, 6) in bf16 is stored as (rows, 8)."""
+    a, b, offs = torch.empty(12, 8, dtype=torch.bfloat16), torch.empty(4, 8, 6, dtype=torch.bfloat16), torch.empty(4)
+    cpu, cuda = grouped_mm_output(a, b, offs, None), grouped_mm_output(a, b, offs, None, cuda=True)
+    assert cpu.shape == cuda.shape == (12, 6)
+    assert cpu.untyped_storage().nbytes() == 12 * 6 * 2 and cuda.untyped_storage().nbytes() == 12 * 8 * 2 - 2 * 2
+
+
+def test_a_trainer_qlora_plan_of_a_moe_model_is_refused_in_one_line() -> None:
+    """Trainer's 4-bit loading leaves the experts in 16 bits, which memfit's QLoRA stores in NF4: no such plan."""
+    import transformers
+
+    from memfit.errors import ConfigError
+    from memfit.integrations.trainer_plan import plan_trainer_arguments
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ConfigError, match="experts stay in 16 bits under Trainer's 4-bit loading"):
+        plan_trainer_arguments(model, budget="1GiB", effective_batch=4, seq_len=16, allow_qlora=True, device="4090")

@@ -188,7 +188,7 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile, setup: StepSetup | 
         with raised_loggers("torch._subclasses.fake_tensor", level=logging.CRITICAL), fake_mode, \
                 _reparametrize_module(model, fakes, tie_weights=True), \
                 _on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
-                _checkpointing(model, setup), known_masks(all_ones=widest.unpadded), GroupedMatmulShapes(), \
+                _checkpointing(model, setup), known_masks(all_ones=widest.unpadded), GroupedMatmulShapes(cuda=cuda), \
                 NormStatsDtypes(), _own_scaler(trainer) as scaler, tracker, \
                 emulation or contextlib.nullcontext(), _PlaceholderReads():
             workspace_bytes = cublas_workspace_bytes(model, emulation, allocator, recompute=_recomputes(model))

@@ -304,7 +304,7 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
     world = distributed.fake_world(config.world_size) if strategy == "fsdp" else contextlib.nullcontext()
     with world as mesh, fake_mode or contextlib.nullcontext(), (
             contextlib.nullcontext() if execute else _no_init_weights()), (
-            contextlib.nullcontext() if execute else GroupedMatmulShapes()), (
+            contextlib.nullcontext() if execute else GroupedMatmulShapes(cuda=profile.kind == "cuda")), (
             contextlib.nullcontext() if execute else NormStatsDtypes()):
         build = functools.partial(build_with_techniques, trace.spec, config,
                                   label_names=[str(i) for i in range(num_labels)], pad_token_id=TRACE_PAD,

@@ -37,11 +37,16 @@ GROUPED_MM = _GROUPED_MM_PACKET.default if _GROUPED_MM_PACKET is not None else N
 transformers runs its own loop and nothing needs answering)."""
 
 
+CUDA_ROW_ALIGNMENT = 16
+"""Bytes a CUDA grouped matmul aligns each output row to (torch 2.13's shape function: its rows' stride is padded
+to a multiple of 16 bytes); the CPU kernel's rows are dense."""
+
+
 def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None,
-                      out_dtype: torch.dtype | None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None, *, cuda: bool = False) -> torch.Tensor:
     """An empty tensor shaped as ``torch._grouped_mm(mat_a, mat_b, offs=offs)``'s result: 2-D x 3-D (a row
     block per expert) gives (rows, out); 3-D x 2-D (rows, out); 2-D x 2-D with offsets (groups, m, n), what the
-    weights' gradient is; 3-D x 3-D a batched matmul."""
+    weights' gradient is; 3-D x 3-D a batched matmul. ``cuda``: rows padded as a CUDA card's kernel pads them."""
     if mat_a.dim() == 2 and mat_b.dim() == 2:
         assert offs is not None, "a 2-D x 2-D grouped matmul needs offsets"
         size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
@@ -51,12 +56,23 @@ def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
         size = [mat_a.size(1), mat_b.size(1)]
     else:
         size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+    dtype = out_dtype or mat_a.dtype
+    if not cuda:
+        return torch.empty(size, dtype=dtype, device=mat_a.device)
+    alignment = CUDA_ROW_ALIGNMENT // dtype.itemsize
+    row = -(-size[-1] // alignment) * alignment
+    stride = [size[1] * row, row, 1] if len(size) == 3 else [row, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
 class GroupedMatmulShapes(TorchDispatchMode):
     """Answers ``aten._grouped_mm`` on fake tensors with the output its kernel makes, for every dtype (torch's
-    own shape function accepts bf16 only); any other op, and the op on real tensors, pass through."""
+    own shape function accepts bf16 only); any other op, and the op on real tensors, pass through. ``cuda``:
+    the trace is of a CUDA card's step (padded output rows)."""
+
+    def __init__(self, *, cuda: bool = False) -> None:
+        super().__init__()
+        self.cuda = cuda
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -66,7 +82,7 @@ class GroupedMatmulShapes(TorchDispatchMode):
             bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
             assert bias is None, "transformers adds the experts' bias after the grouped matmul"
             out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
-            return grouped_mm_output(mat_a, mat_b, offs, out_dtype)
+            return grouped_mm_output(mat_a, mat_b, offs, out_dtype, cuda=self.cuda)
         return func(*args, **kwargs)
 
 
