@@ -423,13 +423,17 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of repeated transformer blocks: the longest ``ModuleList`` of one block class."""
+    """The stack of repeated transformer blocks: the longest ``ModuleList`` of one block class; for a hybrid whose
+    blocks are of several classes (Jamba's attention and Mamba layers), the ``ModuleList`` of the config's
+    ``num_hidden_layers`` blocks."""
     best: nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            classes = {type(child) for child in module}
-            if len(classes) == 1 and (best is None or len(module) > len(best)):
-                best = module
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module) > 0]
+    for module in lists:
+        if len({type(child) for child in module}) == 1 and (best is None or len(module) > len(best)):
+            best = module
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if best is None or (isinstance(depth, int) and len(best) < depth):
+        best = next((module for module in lists if len(module) == depth), best)
     if best is None:
         raise ConfigError(f"{type(model).__name__} has no ModuleList of repeated blocks; layer-wise techniques "
                           "(checkpointing, --train-top-layers) need one")

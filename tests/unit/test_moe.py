@@ -178,3 +178,28 @@ def test_a_trainer_qlora_plan_of_a_moe_model_is_refused_in_one_line() -> None:
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
     with pytest.raises(ConfigError, match="experts stay in 16 bits under Trainer's 4-bit loading"):
         plan_trainer_arguments(model, budget="1GiB", effective_batch=4, seq_len=16, allow_qlora=True, device="4090")
+
+
+def test_only_expert_projections_count_as_expert_weights() -> None:
+    """A 3-D class token or RWKV's mixing vectors stay as they are; an experts module's projections are experts."""
+    from memfit.techniques.quantized_experts import is_expert_weight
+
+    embeddings, experts = nn.Module(), type("MixtralExperts", (nn.Module,), {})()
+    token, stack = torch.zeros(1, 1, 8), torch.zeros(4, 8, 16)
+    assert not is_expert_weight(embeddings, "cls_token", token)
+    assert is_expert_weight(experts, "gate_up_proj", stack) and is_expert_weight(experts, "w1", stack)
+    assert not is_expert_weight(nn.Conv1d(4, 4, 3), "weight", torch.zeros(4, 4, 3))
+
+
+def test_a_hybrid_of_several_block_classes_takes_lora(tmp_path: Path) -> None:
+    """Jamba's layers are attention and Mamba blocks: the stack is the list of num_hidden_layers blocks. Its
+    Mamba layers read a Linear's weight directly, which a 4-bit Linear has not: QLoRA is one line."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.support import UnsupportedModel
+    from memfit.sweep import tiny_config
+
+    tiny_config("jamba").save_pretrained(tmp_path / "jamba")
+    traced, measured = traced_and_measured(config(tmp_path / "jamba", lora_rank=4, checkpointing="full"))
+    assert traced == measured
+    with pytest.raises(UnsupportedModel, match=r"^jamba: not supported yet \("):
+        estimate(config(tmp_path / "jamba", lora_rank=4, quantize_base="nf4"), seq_len=16)

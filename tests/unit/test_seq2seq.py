@@ -205,3 +205,16 @@ def test_lora_adapts_the_decoder_blocks_too_and_train_top_layers_is_refused(tmp_
     assert any("decoder" in name and "lora_A" in name for name in adapted)
     with pytest.raises(ConfigError, match="--train-top-layers counts one stack of blocks"):
         estimate(TrainConfig(model=str(model_dir), task="seq2seq", train_top_layers=1, max_length=16))
+
+
+@pytest.mark.slow
+def test_a_plan_that_fits_nothing_says_what_each_opt_in_would_need(tmp_path: Path) -> None:
+    """Freezing the top layers does not apply to an encoder-decoder: said among the advice, the plan goes on."""
+    from memfit.planner import plan
+
+    model_dir = save_model(tmp_path / "t5", "t5")
+    made = plan(TrainConfig(model=str(model_dir), task="seq2seq", max_length=32, effective_batch=8), device="cpu",
+                budget="1MiB", seq_len=32)
+    assert made.chosen is None
+    assert "--allow-freeze (top-1) does not apply: --train-top-layers counts one stack" in made.verdict
+    assert "--allow-qlora (r=16)" in made.verdict  # T5's "wo" kept in fp32, as transformers' 4-bit loading keeps it

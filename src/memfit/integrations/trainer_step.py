@@ -307,7 +307,8 @@ def frozen_weights(model: nn.Module) -> set[str]:
     from memfit.techniques.lora import stored_in_16_bits
 
     return {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-            for name, parameter in module.named_parameters(recurse=False) if stored_in_16_bits(module, parameter)}
+            for name, parameter in module.named_parameters(recurse=False)
+            if stored_in_16_bits(module, name, parameter)}
 
 
 def _fake_like(tensor: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:

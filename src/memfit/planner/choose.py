@@ -261,8 +261,12 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             Family(precision=p, checkpointing=c, kernels=default_kernels(o, "none", profile), optimizer=o,
                    lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
-        need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1],
-                                                          kernels=default_kernels(optimizers[-1], "none", profile)), 1)
+        try:
+            need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1], kernels=(
+                default_kernels(optimizers[-1], "none", profile))), 1)
+        except ConfigError as error:  # an architecture the technique does not reach: advice, not the plan's end
+            advice.append(Advice(f"{flag} does not apply: {error.problems[0]}"))
+            continue
         advice.append(Advice(f"{flag} (r={rank}) {'would fit' if need.fits else 'would not fit either'}: it needs "
                              f"at least {format_bytes(need.predicted_peak_bytes or 0)}",
                              fits=need.family.opt_ins if need.fits else None))

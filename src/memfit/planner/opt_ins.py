@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.devices import DeviceProfile
+from memfit.errors import ConfigError
 from memfit.planner.allowed import Advice, Allowed
 from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, with_chunked_loss
 from memfit.planner.search import Search
@@ -123,6 +124,9 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
                                       for c in CHECKPOINTING], search.base, task)
         try:
             need = _need(search, stage.flag, families)
+        except ConfigError as error:  # not for this model (--allow-freeze's top layers of an encoder-decoder)
+            advice.append(Advice(f"{stage.flag} does not apply: {error.problems[0]}"))
+            continue
         except Exception as error:  # bitsandbytes' kernels may not run on fake tensors; say so, plan the rest
             if not any("8bit" in family.optimizer for family in changed):
                 raise

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memfit.models import transformer_blocks
 from memfit.quiet import NOISY_LOGGERS, raised_loggers
 from memfit.techniques.quantized_base import bitsandbytes
-from memfit.techniques.quantized_experts import quantized_expert_names
+from memfit.techniques.quantized_experts import is_expert_weight, quantized_expert_names
 
 HEAD_NAMES = ("classifier", "score")
 """Classification heads of Hugging Face models: trained in full beside the adapters."""
@@ -59,7 +59,7 @@ def lora_target_parameters(model: nn.Module, targets: tuple[str, ...], train_top
         return []
     return [f"{block_name}.{name}" for block_name, block in _adapted_blocks(model, train_top_layers)
             for name, parameter in block.named_parameters() if parameter.dim() == 3
-            and name.rsplit(".", 1)[-1] in targets]
+            and name.rsplit(".", 1)[-1] in targets]  # (named: the user says which 3-D weights are experts)
 
 
 def _adapted_blocks(model: nn.Module, train_top_layers: int | None) -> list[tuple[str, nn.Module]]:
@@ -143,18 +143,17 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
     (3-D: most of such a model's bytes), in ``dtype``, in place (a weight tied to another layer stays tied).
     Norms and biases stay fp32."""
     for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            if stored_in_16_bits(module, parameter):
+        for name, parameter in module.named_parameters(recurse=False):
+            if stored_in_16_bits(module, name, parameter):
                 parameter.data = parameter.data.to(dtype)
 
 
-def stored_in_16_bits(module: nn.Module, parameter: nn.Parameter) -> bool:
+def stored_in_16_bits(module: nn.Module, name: str, parameter: nn.Parameter) -> bool:
     """What :func:`store_frozen` stores in 16 bits: a frozen fp32 weight of a Linear or embedding layer, or a
-    MoE block's stacked expert weight (3-D, not a convolution's)."""
+    MoE block's stacked expert weight (:func:`memfit.techniques.quantized_experts.is_expert_weight`)."""
     if parameter.requires_grad or parameter.dtype != torch.float32:
         return False
-    experts = parameter.dim() == 3 and not isinstance(module, nn.modules.conv._ConvNd)
-    return isinstance(module, nn.Linear | nn.Embedding) or experts
+    return isinstance(module, nn.Linear | nn.Embedding) or is_expert_weight(module, name, parameter)
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -68,10 +68,11 @@ def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> No
     """Replace every ``nn.Linear`` of the repeated blocks by its ``kind`` (``nf4 | int8``) counterpart."""
     if kind == "none":
         return
+    kept = set(getattr(model, "_keep_in_fp32_modules", None) or ())  # T5's "wo": as transformers' 4-bit loading
     for block in transformer_blocks(model):  # (both stacks of an encoder-decoder)
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
+                if type(child) is nn.Linear and name not in kept:
                     setattr(parent, name, _quantized(child, kind, compute_dtype))
 
 

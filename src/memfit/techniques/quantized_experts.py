@@ -41,11 +41,18 @@ class DequantizedExperts(nn.Module):
         return weight  # (experts, in, out) in the compute dtype
 
 
+def is_expert_weight(module: nn.Module, name: str, parameter: torch.Tensor) -> bool:
+    """A MoE block's stacked expert weight: a 3-D floating-point projection (``gate_up_proj``, ``down_proj``) of an
+    experts module (not a convolution's kernel, a class token or RWKV's mixing vectors)."""
+    return (parameter.dim() == 3 and parameter.is_floating_point() and not isinstance(module, nn.modules.conv._ConvNd)
+            and ("expert" in type(module).__name__.lower() or name.endswith("_proj")))
+
+
 def expert_weights(block: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, name) of every stacked expert weight in ``block``: a 3-D floating-point parameter."""
+    """(module, name) of every stacked expert weight in ``block`` (:func:`is_expert_weight`)."""
     return [(module, name) for module in block.modules()
             for name, parameter in list(module.named_parameters(recurse=False))
-            if parameter.dim() == 3 and parameter.is_floating_point()]
+            if is_expert_weight(module, name, parameter)]
 
 
 def quantize_experts(model: nn.Module, compute_dtype: torch.dtype) -> int:
