@@ -66,8 +66,10 @@ def _the_models_failure(error: BaseException) -> bool:
     """Whether ``error`` is the architecture's: raised in the model's code, torch's or another library's (not in
     memfit's own, where it is a bug to see), and not an allocation, weights-file or process-group failure."""
     text = str(error)
-    if any(marker in text for marker in ("can't allocate memory", "DefaultCPUAllocator")):
-        return False  # a failed CPU allocation: a plain RuntimeError on this build
+    if any(marker in text for marker in ("can't allocate memory", "DefaultCPUAllocator", "CUDA error")):
+        return False  # a failed CPU allocation (a plain RuntimeError on this build), the card's own failure
+    if type(error).__name__ == "AcceleratorError":  # the device runtime's (no kernel image for this card, ...)
+        return False
     module = type(error).__module__
     if module.startswith(("safetensors", "torch.distributed")):
         return False

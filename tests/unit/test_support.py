@@ -29,6 +29,7 @@ def test_a_failure_in_the_models_code_is_one_line() -> None:
 
 @pytest.mark.parametrize("error", [OSError("weights file truncated"), MemoryError(),
                                    RuntimeError("DefaultCPUAllocator: can't allocate memory"),
+                                   RuntimeError("CUDA error: no kernel image is available for execution"),
                                    torch.OutOfMemoryError("CUDA out of memory"), KeyboardInterrupt()])
 def test_files_allocation_failures_and_interrupts_pass_as_they_are(error: BaseException) -> None:
     with pytest.raises(type(error)), model_support(CONFIG):
