@@ -334,3 +334,26 @@ def test_a_causal_lm_whose_logits_do_not_fit_is_planned_with_a_chunked_loss(tmp_
     run = made.to_config()
     assert run.loss_chunk == LOSS_CHUNK and run.checkpointing == "full"
     assert estimate(run, device="cpu", seq_len=1024).total_bytes == made.chosen.predicted_peak_bytes
+
+
+@pytest.mark.slow
+def test_a_lora_that_fits_only_in_16_bits_is_planned(tmp_path: Path) -> None:
+    """LoRA's least need is traced at every precision: its base stored in bf16 needs less than in fp32, the
+    slowest precision, so a budget between the two plans a 16-bit LoRA instead of saying it would not fit."""
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 256, "intermediate_size": 512})
+    config = TrainConfig(model=str(model), max_length=16, effective_batch=2, task="causal-lm")
+    traces: dict[Any, Estimate] = {}
+    probe = plan(config, device="4090", budget="1MiB", seq_len=16, cache=traces, lora_rank=4)
+    needs: dict[str, int] = {}
+    for candidate in probe.candidates:
+        if candidate.exact and candidate.family.technique == "lora":
+            precision, peak = candidate.family.precision, candidate.predicted_peak_bytes or 0
+            needs[precision] = min(needs.get(precision, peak), peak)
+    assert needs["bf16"] < needs["fp32"]
+    between = (needs["bf16"] + needs["fp32"]) // 2
+    made = plan(config, device="4090", budget=int(between / 0.95), seq_len=16, cache=traces, lora_rank=4,
+                allow=Allowed(lora=True))
+    assert made.chosen is not None and made.chosen.family.technique == "lora"
+    assert made.chosen.family.precision in ("bf16", "fp16")

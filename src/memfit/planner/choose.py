@@ -262,8 +262,7 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
                    lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
         try:
-            need = search.exact_candidate(dataclasses.replace(families[-1], optimizer=optimizers[-1], kernels=(
-                default_kernels(optimizers[-1], "none", profile))), 1)
+            need = _least_need(search, families, optimizers[-1], profile)
         except ConfigError as error:  # an architecture the technique does not reach: advice, not the plan's end
             advice.append(Advice(f"{flag} does not apply: {error.problems[0]}"))
             continue
@@ -276,6 +275,17 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             if chosen is not None:
                 return chosen
     return None
+
+
+def _least_need(search: Search, families: list[Family], optimizer: str, profile: DeviceProfile) -> Candidate:
+    """The least an adapter technique needs: micro-batch 1 of its leanest setup (the last family of each
+    precision: full checkpointing, the loss in chunks where a causal LM allows it), traced at every precision
+    and the smallest taken. The slowest precision is not the leanest: a LoRA base stored in 16 bits needs less
+    than in fp32, so a LoRA that fits only in 16 bits is searched, not reported as not fitting."""
+    leanest = {family.precision: family for family in families}  # the last family of each precision
+    return min((search.exact_candidate(dataclasses.replace(family, optimizer=optimizer, kernels=default_kernels(
+        optimizer, "none", profile)), 1) for family in leanest.values()),
+        key=lambda candidate: candidate.predicted_peak_bytes or 0)
 
 
 def adapter_problem(technique: str, profile: DeviceProfile) -> str | None:
