@@ -43,10 +43,12 @@ def loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
     outputs = model(**inputs)
     logits = model_logits(model, outputs)  # (B, C), or (B, S, C) for token-level heads
+    aux_loss = getattr(outputs, "aux_loss", None)  # a MoE's load-balancing loss, when its config asks for it
+    del outputs  # the rest of the output (a KV cache) goes now, as it always went
     labels = batch["labels"]
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            reduction="sum", ignore_index=IGNORE_INDEX)
-    return with_router_loss(loss, outputs, model, labels), logits
+    return with_router_loss(loss, aux_loss, model, labels), logits
 
 
 class PhaseTracker(Protocol):

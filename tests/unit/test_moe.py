@@ -67,10 +67,10 @@ def test_the_load_balancing_loss_enters_the_summed_loss_weighted_by_items() -> N
 
     model = nn.Linear(2, 2)
     model.config = type("Config", (), {"router_aux_loss_coef": 0.5, "output_router_logits": True})()  # type: ignore[assignment]
-    outputs = type("Outputs", (), {"aux_loss": torch.tensor(2.0)})()
     labels = torch.tensor([[1, 2, -100]])  # two labelled tokens
-    assert with_router_loss(torch.tensor(3.0), outputs, model, labels).item() == pytest.approx(3.0 + 0.5 * 2.0 * 2)
-    assert with_router_loss(torch.tensor(3.0), object(), model, labels).item() == 3.0
+    added = with_router_loss(torch.tensor(3.0), torch.tensor(2.0), model, labels)
+    assert added.item() == pytest.approx(3.0 + 0.5 * 2.0 * 2)
+    assert with_router_loss(torch.tensor(3.0), None, model, labels).item() == 3.0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -55,15 +55,17 @@ def chunked_loss_sum(model: nn.Module, batch: Batch, *, chunk: int) -> tuple[tor
         return total, hidden
     outputs = model(**inputs)
     logits = model_logits(model, outputs)  # (B, S, V)
+    aux_loss = getattr(outputs, "aux_loss", None)  # a MoE's load-balancing loss, when its config asks for it
+    del outputs
     if labels.dim() != 2:  # sequence-level labels: nothing to chunk
         loss = F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
-        return with_router_loss(loss, outputs, model, labels), logits
+        return with_router_loss(loss, aux_loss, model, labels), logits
     positions = logits.reshape(-1, logits.shape[-1])  # (B * S, V), a view
     targets = labels.reshape(-1)
     total = torch.zeros((), device=logits.device)
     for piece, target in zip(positions.split(chunk), targets.split(chunk), strict=True):
         total = total + checkpoint(_summed_cross_entropy, piece, target, use_reentrant=False)
-    return with_router_loss(total, outputs, model, labels), logits
+    return with_router_loss(total, aux_loss, model, labels), logits
 
 
 def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,9 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
-def with_router_loss(loss_sum: torch.Tensor, outputs: Any, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    """``loss_sum`` plus the micro-batch's share of the load-balancing loss where the model returns one."""
-    aux_loss = getattr(outputs, "aux_loss", None)
+def with_router_loss(loss_sum: torch.Tensor, aux_loss: Any, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """``loss_sum`` plus the micro-batch's share of the load-balancing loss ``aux_loss`` (a forward's
+    ``outputs.aux_loss``) where the model returns one."""
     if not isinstance(aux_loss, torch.Tensor):
         return loss_sum
     coefficient = float(getattr(_config(model), "router_aux_loss_coef", 0.0) or 0.0)
