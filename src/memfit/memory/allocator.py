@@ -23,6 +23,7 @@ measures the remaining error on a real card.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
@@ -51,14 +52,14 @@ class CachingAllocatorModel:
         self.peak_allocated_bytes = 0
         self._pools: dict[bool, list[tuple[int, int, int, _Block]]] = {True: [], False: []}
         """Free blocks per pool (``True``: small), sorted by (size, segment, offset)."""
-        self._live: dict[int, tuple[_Block, bool]] = {}
+        self._live: dict[Hashable, tuple[_Block, bool]] = {}
         self._segments = 0
 
     @staticmethod
     def round_size(nbytes: int) -> int:
         return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
 
-    def allocate(self, key: int, nbytes: int) -> int:
+    def allocate(self, key: Hashable, nbytes: int) -> int:
         """Serve storage ``key`` of ``nbytes``; returns the block's size, which ``memory_allocated`` counts.
 
         That is the 512-rounded request, or more when a cached block is reused without splitting it.
@@ -85,7 +86,7 @@ class CachingAllocatorModel:
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
         return block.size
 
-    def free(self, key: int) -> None:
+    def free(self, key: Hashable) -> None:
         entry = self._live.pop(key, None)
         if entry is None:
             return

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -57,9 +58,21 @@ from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.build_values import BuildValuesFakeMode
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
+from memfit.memory.depth import DepthCut, depth_cut
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.moe import GroupedMatmulShapes
 from memfit.memory.norm_stats import NormStatsDtypes
+from memfit.memory.repeats import (
+    BLOCK,
+    MICRO,
+    WINDOW_STRIDE,
+    NotRepeating,
+    RecordingTracker,
+    Repeat,
+    expand,
+    replay,
+    scaled,
+)
 from memfit.memory.synthetic import TRACE_PAD, encoder_decoder_batch, shape_problems, synthetic_batch
 from memfit.memory.tracker import StorageTracker
 from memfit.models import (
@@ -67,6 +80,7 @@ from memfit.models import (
     count_parameters,
     is_encoder_decoder,
     resolve_model,
+    transformer_layers,
     with_depth,
     with_image_size,
 )
@@ -150,6 +164,9 @@ class Estimate(StepPeak):
     (``--offload-activations``); 0 otherwise."""
     host_breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
     """``host_bytes`` by what holds them (:data:`HOST_CATEGORIES`) at the host's peak."""
+    trace: str = "full trace"
+    """How the step was traced: in full (and why, where a shortened trace was refused), or which blocks and
+    micro-steps were traced and the rest replayed (:mod:`memfit.memory.repeats`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -224,7 +241,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
              image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False,
              count_flops: bool = False, lean_warmup: bool = False, padded: bool = True,
-             layers: int | None = None) -> Estimate:
+             layers: int | None = None, exact_trace: bool = False) -> Estimate:
     """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
 
     ``count_flops=True`` also counts the FLOPs of the traced steps. ``lean_warmup=True`` runs the first step
@@ -233,6 +250,10 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     when every text fills the sequence length (no micro-batch is ever padded, see :func:`synthetic_batch`).
     ``execute=True`` runs the very same steps on real CPU tensors instead (``device="cpu"`` only): the
     measurement the estimate is checked against. ``layers``: the same model with that many blocks.
+
+    A model whose blocks repeat is traced as a copy a few blocks deep over the first micro-steps of each
+    window, and the rest replayed (:mod:`memfit.memory.repeats`): the same numbers as the full trace, which
+    ``exact_trace=True`` forces (``Estimate.trace`` says which ran, and why a shortened trace was refused).
     """
     started = time.perf_counter()
     trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps,
@@ -247,8 +268,18 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     traced_micro_steps = sum(len(window) for window in trace.windows)
     # fake tensors log each op they cannot run; the one line that follows says it once
     with model_support(trace.spec.hf_config), raised_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
-        run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops,
-                           num_labels=num_labels)
+        shortened: _Shortened | str = "full trace" if exact_trace or execute else \
+            _shortened(config, trace, strategy)
+        run = None
+        if isinstance(shortened, _Shortened):
+            try:
+                run = _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels)
+            except NotRepeating as reason:
+                shortened = f"full trace: {reason}"
+        if run is None:
+            run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops,
+                               num_labels=num_labels)
+            run.how = shortened if isinstance(shortened, str) else "full trace"
     tracker, profile = run.tracker, trace.profile
     extra = run.scaler_bytes + run.workspace_bytes
     peak = tracker.peak_bytes + extra
@@ -258,7 +289,6 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     peak_reserved = run.allocator.peak_reserved_bytes if run.allocator is not None else peak
     headroom = profile.memory_bytes - peak_reserved - profile.non_pytorch_bytes if profile.kind == "cuda" else None
     phases = {name: value + extra for name, value in tracker.phase_peaks.items()}
-    attention_flops = run.emulation.attention_flops if run.emulation is not None else 0
     return Estimate(
         peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=profile.non_pytorch_bytes,
         breakdown=breakdown, phases=phases, peak_phase=max(phases, key=lambda name: phases[name]),
@@ -266,9 +296,9 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         fits=None if headroom is None else headroom >= 0, headroom_bytes=headroom,
         micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=config.resolved_accumulation_steps,
         sequence_length=trace.sequence_length, image_size=trace.image_size, precision=trace.precision,
-        config=config.to_dict(), traced_ops=tracker.op_count, phase_ops=dict(tracker.phase_ops),
-        flops=tracker.flops + attention_flops if count_flops else None,
-        dequantized_bytes=tracker.dequantized_bytes if count_flops else None,
+        config=config.to_dict(), traced_ops=run.ops, phase_ops=run.phase_ops,
+        flops=run.flops if count_flops else None, dequantized_bytes=run.dequantized_bytes if count_flops else None,
+        trace=run.how,
         trainable_parameters=run.trainable, parameters=run.parameters, world_size=config.world_size,
         distributed=strategy, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
         seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes,
@@ -282,28 +312,97 @@ class _TracedRun:
 
     tracker: StorageTracker
     allocator: CachingAllocatorModel | None
-    emulation: CudaEmulation | None
     scaler_bytes: int
     workspace_bytes: int
     trainable: int
     parameters: int
+    ops: int = 0
+    phase_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    flops: int = 0
+    """Matmul-class FLOPs, the emulated attention kernels' included."""
+    dequantized_bytes: int = 0
+    how: str = "full trace"
+
+
+@dataclass(kw_only=True, slots=True)
+class _Shortened:
+    """A trace of ``trace`` (a copy of ``depth.layers`` blocks, shortened windows) to replay at full length."""
+
+    trace: TraceInputs
+    depth: DepthCut | None
+    windows: list[Repeat]
+    how: str
+
+
+def _shortened(config: TrainConfig, trace: TraceInputs, strategy: str) -> _Shortened | str:
+    """The shortened trace that stands for ``trace``, or why the full one runs."""
+    if strategy == "ddp":
+        return "full trace: DDP's gradient buckets group parameters across blocks"
+    depth = depth_cut(trace.spec, config, trace.task)
+    windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
+                      limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]
+    if not isinstance(depth, DepthCut) and not windows:
+        return "full trace" if depth is None else f"full trace: {depth}"
+    short_windows = [window[:3] + window[-1:] if len(window) > 4 else window for window in trace.windows]
+    parts = []
+    spec = trace.spec
+    if isinstance(depth, DepthCut):
+        spec = with_depth(spec, depth.layers)
+        parts.append(f"{depth.layers} of {trace.spec.num_layers} blocks")
+    if windows:
+        parts.append(f"{sum(len(w) for w in short_windows)} of {sum(len(w) for w in trace.windows)} micro-steps")
+    how = " and ".join(parts) + " traced, the rest replayed"
+    if isinstance(depth, str):
+        how += f" (all blocks: {depth})"
+    short = dataclasses.replace(trace, spec=spec, windows=short_windows, window_items=list(trace.window_items))
+    return _Shortened(trace=short, depth=depth if isinstance(depth, DepthCut) else None, windows=windows, how=how)
+
+
+def _replayed(config: TrainConfig, shortened: _Shortened, strategy: str, *, count_flops: bool,
+              num_labels: int) -> _TracedRun:
+    """Trace the shortened step with a recording tracker, expand its record to the full step and replay it
+    through the accounting a full trace would have run (:mod:`memfit.memory.repeats`)."""
+    blocks = shortened.depth.repeat if shortened.depth is not None else None
+    recorder = RecordingTracker(count_flops=count_flops, group=blocks)
+    run = _trace_steps(config, shortened.trace, strategy, execute=False, count_flops=count_flops,
+                       num_labels=num_labels, recorder=recorder)
+    if recorder.unexpandable is not None:
+        raise NotRepeating(recorder.unexpandable)
+    events = recorder.events
+    for window in shortened.windows:
+        events = expand(events, MICRO, window)
+    if blocks is not None:
+        events = expand(events, BLOCK, blocks)
+    tracker = StorageTracker(allocator=run.allocator)
+    replay(events, tracker)
+    phases = {key[2] for key in recorder.ops if key[2] is not None}
+    per_block = recorder.block_parameters
+    grown = [sum(per_block[owner - 1][i] for owner in range(blocks.first + blocks.period, blocks.last + 1))
+             * blocks.copies if blocks is not None else 0 for i in (0, 1)]
+    return dataclasses.replace(
+        run, tracker=tracker, ops=scaled(recorder.ops, blocks, shortened.windows),
+        phase_ops={phase: scaled(Counter({k: v for k, v in recorder.ops.items() if k[2] == phase}), blocks,
+                                 shortened.windows) for phase in sorted(phases)},
+        flops=scaled(recorder.flops_by, blocks, shortened.windows),
+        dequantized_bytes=scaled(recorder.dequantized_by, blocks, shortened.windows),
+        trainable=run.trainable + grown[0], parameters=run.parameters + grown[1], how=shortened.how)
 
 
 def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: bool, count_flops: bool,
-                 num_labels: int) -> _TracedRun:
+                 num_labels: int, recorder: RecordingTracker | None = None) -> _TracedRun:
     """Build the model under fake tensors (real ones when ``execute``) and run the steps on ``trace``'s
     windows inside the tracker."""
     profile, windows = trace.profile, trace.windows
     precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
     allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
-    tracker = StorageTracker(allocator=allocator, count_flops=count_flops)
+    tracker = recorder or StorageTracker(allocator=allocator, count_flops=count_flops)
     fake_mode = None if execute else BuildValuesFakeMode()
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
                    for window in windows]
     world = distributed.fake_world(config.world_size) if strategy == "fsdp" else contextlib.nullcontext()
     with world as mesh, fake_mode or contextlib.nullcontext(), (
-            contextlib.nullcontext() if execute else _no_init_weights()), (
+            contextlib.nullcontext() if execute else no_init_weights()), (
             contextlib.nullcontext() if execute else GroupedMatmulShapes(cuda=profile.kind == "cuda")), (
             contextlib.nullcontext() if execute else NormStatsDtypes()):
         build = functools.partial(build_with_techniques, trace.spec, config,
@@ -314,6 +413,10 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
         model.train()
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
+        if recorder is not None:
+            recorder.mark_blocks(transformer_layers(model))
+            if emulation is not None:
+                recorder.attention_flops = functools.partial(getattr, emulation, "attention_flops")
         # an encoder-decoder's causal mask is its decoder's, never padded (memfit.data.seq2seq): all ones
         decoder_unpadded = is_encoder_decoder(trace.spec) and trace.task != "causal-lm"
         with _eos_answers(trace, windows, execute=execute), tracker, emulation or contextlib.nullcontext(), \
@@ -327,8 +430,11 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
                       persistent_grads=strategy == "ddp")
-    return _TracedRun(tracker=tracker, allocator=allocator, emulation=emulation, scaler_bytes=scaler_bytes,
-                      workspace_bytes=workspace_bytes, trainable=trainable, parameters=total)
+    attention_flops = emulation.attention_flops if emulation is not None else 0
+    return _TracedRun(tracker=tracker, allocator=allocator, scaler_bytes=scaler_bytes,
+                      workspace_bytes=workspace_bytes, trainable=trainable, parameters=total, ops=tracker.op_count,
+                      phase_ops=dict(tracker.phase_ops), flops=tracker.flops + attention_flops,
+                      dequantized_bytes=tracker.dequantized_bytes)
 
 
 def _eos_answers(trace: TraceInputs, windows: list[list[Batch]], *,
@@ -556,12 +662,12 @@ def label_gradients(tracker: StorageTracker, trained: list[torch.nn.Parameter]) 
 
 
 @contextlib.contextmanager
-def _no_init_weights() -> Any:
+def no_init_weights() -> Any:
     """Skip weight initialisation (``trunc_normal_`` reads values, which fake tensors do not have)."""
     quiet_imports()
     try:
-        from transformers.initialization import no_init_weights
+        from transformers.initialization import no_init_weights as skipped
     except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
-    with no_init_weights():
+        from transformers.modeling_utils import no_init_weights as skipped  # type: ignore[attr-defined,no-redef]
+    with skipped():
         yield

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,8 +108,8 @@ class StorageTracker(TorchDispatchMode):
         self._phase: str | None = None
         self._label: str | None = None
         """Category of what the rest of this phase allocates (set by an output-embedding hook)."""
-        self._sizes: dict[int, int] = {}
-        self._categories: dict[int, str] = {}
+        self._sizes: dict[Hashable, int] = {}
+        self._categories: dict[Hashable, str] = {}
         self.category_bytes: dict[str, int] = {}
         self.peak_breakdown: dict[str, int] = {}
         self.timeline: list[tuple[int, str | None]] | None = None
@@ -120,30 +120,40 @@ class StorageTracker(TorchDispatchMode):
         self.host_category_bytes: dict[str, int] = {}
         self.host_peak_breakdown: dict[str, int] = {}
         """Host bytes per :meth:`elsewhere` category live at the host peak."""
-        self._host_sizes: dict[int, tuple[int, str]] = {}
+        self._host_sizes: dict[Hashable, tuple[int, str]] = {}
         self._elsewhere: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is DEVICE_QUERY:
             return args[0].fake_device if type(args[0]) is FakeTensor else func(*args)
         out = func(*args, **(kwargs or {}))
+        leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        self._attribute(func, args, leaves)
         if self._elsewhere is not None:
-            self._track_host(tree_leaves(out), self._elsewhere)
+            self._track_host(leaves, self._elsewhere)
             return out
+        self._count(func, args, kwargs, out)
+        for leaf in leaves:
+            self.track(leaf)
+        return out
+
+    def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
+        """Before an op's outputs are counted: nothing here (a recording tracker says whose they are)."""
+
+    def _count(self, func: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:
+        """Count one op of the device, its FLOPs and dequantised bytes; returns (FLOPs, dequantised bytes)."""
         self.op_count += 1
+        flops = dequantized = 0
         if self._flop_formulas is not None:
             if func._overloadpacket in self._flop_formulas:
-                self.flops += self._flop_formulas[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+                flops = self._flop_formulas[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
             elif func.namespace == "bitsandbytes":
                 flops, dequantized = quantized_op_cost(func._opname, args, out)
-                self.flops += flops
-                self.dequantized_bytes += dequantized
+            self.flops += flops
+            self.dequantized_bytes += dequantized
         if self._phase is not None:
             self.phase_ops[self._phase] = self.phase_ops.get(self._phase, 0) + 1
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
-        return out
+        return flops, dequantized
 
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self.round_to) * self.round_to
@@ -162,13 +172,17 @@ class StorageTracker(TorchDispatchMode):
                 raise OUT_OF_MEMORY(
                     f"emulated budget: tried to allocate {raw:,} bytes with {self.live_bytes:,} of "
                     f"{self.budget_bytes:,} bytes live")
-            nbytes = self.allocator.allocate(key, raw) if self.allocator is not None and raw else self._rounded(raw)
-            self._sizes[key] = nbytes
             kind = category or self._label or ("activations" if self._phase == "forward" else "temporaries")
-            self._categories[key] = kind
-            self.category_bytes[kind] = self.category_bytes.get(kind, 0) + nbytes
+            self._allocate(key, raw, kind)
             weakref.finalize(storage, self._release, key)
-            self._grow(nbytes)
+
+    def _allocate(self, key: Hashable, raw: int, kind: str) -> None:
+        """Count a storage of ``raw`` bytes as ``kind`` (the allocator's block size on a CUDA target)."""
+        nbytes = self.allocator.allocate(key, raw) if self.allocator is not None and raw else self._rounded(raw)
+        self._sizes[key] = nbytes
+        self._categories[key] = kind
+        self.category_bytes[kind] = self.category_bytes.get(kind, 0) + nbytes
+        self._grow(nbytes)
 
     def track_module(self, module: torch.nn.Module) -> None:
         """Count the module's weights: ``quantized_weights`` (packed weights, their scales and quantisation
@@ -194,12 +208,14 @@ class StorageTracker(TorchDispatchMode):
         for tensor in local_tensors(tensors):
             key = tensor.untyped_storage()._cdata
             old = self._categories.get(key)
-            if old is None or old == category:
-                continue
-            nbytes = self._sizes[key]
-            self.category_bytes[old] -= nbytes
-            self.category_bytes[category] = self.category_bytes.get(category, 0) + nbytes
-            self._categories[key] = category
+            if old is not None and old != category:
+                self._relabel(key, category)
+
+    def _relabel(self, key: Hashable, category: str) -> None:
+        nbytes = self._sizes[key]
+        self.category_bytes[self._categories[key]] -= nbytes
+        self.category_bytes[category] = self.category_bytes.get(category, 0) + nbytes
+        self._categories[key] = category
 
     @contextlib.contextmanager
     def elsewhere(self, category: str = "host") -> Iterator[None]:
@@ -220,15 +236,18 @@ class StorageTracker(TorchDispatchMode):
             key = storage._cdata
             if key in self._sizes or key in self._host_sizes:
                 continue
-            self._host_sizes[key] = (storage.nbytes(), category)
-            self.host_bytes += storage.nbytes()
-            self.host_category_bytes[category] = self.host_category_bytes.get(category, 0) + storage.nbytes()
-            if self.host_bytes > self.host_peak_bytes:
-                self.host_peak_bytes = self.host_bytes
-                self.host_peak_breakdown = dict(self.host_category_bytes)
+            self._host_allocate(key, storage.nbytes(), category)
             weakref.finalize(storage, self._release_host, key)
 
-    def _release_host(self, key: int) -> None:
+    def _host_allocate(self, key: Hashable, nbytes: int, category: str) -> None:
+        self._host_sizes[key] = (nbytes, category)
+        self.host_bytes += nbytes
+        self.host_category_bytes[category] = self.host_category_bytes.get(category, 0) + nbytes
+        if self.host_bytes > self.host_peak_bytes:
+            self.host_peak_bytes = self.host_bytes
+            self.host_peak_breakdown = dict(self.host_category_bytes)
+
+    def _release_host(self, key: Hashable) -> None:
         nbytes, category = self._host_sizes.pop(key, (0, "host"))
         self.host_bytes -= nbytes
         self.host_category_bytes[category] = self.host_category_bytes.get(category, 0) - nbytes
@@ -250,7 +269,7 @@ class StorageTracker(TorchDispatchMode):
         if self._phase is not None and self.live_bytes > self.phase_peaks[self._phase]:
             self.phase_peaks[self._phase] = self.live_bytes
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: Hashable) -> None:
         nbytes = self._sizes.pop(key, None)
         if nbytes is None:  # forgotten earlier
             return
@@ -265,12 +284,18 @@ class StorageTracker(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         """Attribute the peak reached inside the block to phase ``name`` (the max over all its entries)."""
         outer = self._phase
-        self._phase, self._label = name, None
-        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live_bytes)
+        self._enter_phase(name)
         try:
             yield
         finally:
-            self._phase, self._label = outer, None
+            self._exit_phase(outer)
+
+    def _enter_phase(self, name: str) -> None:
+        self._phase, self._label = name, None
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live_bytes)
+
+    def _exit_phase(self, outer: str | None) -> None:
+        self._phase, self._label = outer, None
 
     def reset_peaks(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -1,0 +1,110 @@
+"""How shallow a copy of a model can stand for it: the blocks that repeat, checked on the model's structure.
+
+A step is replayed at full depth from a copy of ``k`` blocks (:mod:`memfit.memory.repeats`) only where the
+model's blocks really repeat: every block of the full-depth model must have the structure (module classes,
+their settings, parameter shapes) of the block of the copy it is replayed from. The structure is read from
+the model built on the ``meta`` device (no memory, about a second for an 8B model; kept per config). Blocks
+that alternate (Gemma-2's sliding and full attention, checkpointing of every N-th block) repeat with a period
+of several blocks; a different first block (DeepSeek's dense first layers) moves the repeating part up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memfit.config import TrainConfig
+from memfit.errors import ConfigError
+from memfit.memory.repeats import Repeat
+from memfit.models import ModelSpec, _layer_count, is_encoder_decoder, transformer_layers, with_depth
+
+MAX_PERIOD = 8
+MAX_OFFSET = 4
+MAX_CACHED = 16
+SETTINGS = (int, float, str, bool, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class DepthCut:
+    """Trace ``layers`` blocks; ``repeat`` says which group is copied to reach the model's depth."""
+
+    layers: int
+    repeat: Repeat
+
+
+def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str | None:
+    """The shallow copy to trace for ``spec`` under ``config``, or why the model is traced at its full depth
+    (``None``: it is too shallow for a copy to be shallower)."""
+    if is_encoder_decoder(spec):
+        return "an encoder-decoder's two stacks of blocks are traced in full"
+    if config.train_top_layers:
+        return "with --train-top-layers the blocks differ (frozen or trained)"
+    if _layer_count(spec.hf_config) is None:
+        return "the model's blocks have no single depth to cut"
+    full = _signatures(spec, task)
+    if full is None or len(full) != spec.num_layers:
+        return "the model's repeated blocks are not its layers"
+    every = config.checkpoint_every if config.checkpointing == "every-n" else 1
+    found = _period(full, every)
+    if found is None:
+        return "the model's blocks do not repeat"
+    offset, period = found
+    first = offset + 2  # one block of the repeating part before the two groups compared
+    last = first + 2 * period - 1
+    layers = last + 1 + (spec.num_layers - last - 1) % period
+    copies = (spec.num_layers - layers) // period
+    if copies < 1:
+        return None
+    repeat = Repeat(first=first, period=period, copies=copies)
+    short = _signatures(with_depth(spec, layers), task)
+    if short is None or [full[(repeat.renumbered(i + 1) or 0) - 1] for i in range(layers)] != short:
+        return f"a copy of {layers} blocks does not have the model's blocks"
+    return DepthCut(layers=layers, repeat=repeat)
+
+
+def _period(signatures: list[tuple[object, ...]], every: int) -> tuple[int, int] | None:
+    """(offset, period): the smallest period (a multiple of ``every``) from which on the blocks repeat."""
+    for period in range(1, MAX_PERIOD + 1):
+        step = math.lcm(period, every)
+        for offset in range(MAX_OFFSET + 1):
+            if all(signatures[i] == signatures[i + step] for i in range(offset, len(signatures) - step)):
+                return offset, step
+    return None
+
+
+_SIGNATURES: dict[tuple[str, str], list[tuple[object, ...]] | None] = {}
+"""Block structures per (config, task): a plan asks for the same model's many times."""
+
+
+def _signatures(spec: ModelSpec, task: str) -> list[tuple[object, ...]] | None:
+    """Each block's :func:`_signature`, from the model built on the ``meta`` device; ``None`` without blocks."""
+    key = (json.dumps(spec.hf_config.to_dict(), sort_keys=True, default=str), task)
+    if key not in _SIGNATURES:
+        from memfit.build import build_base
+        from memfit.memory.estimate import no_init_weights
+
+        with torch.device("meta"), no_init_weights():
+            model = build_base(spec, seed=0, label_names=["0", "1"], pad_token_id=0, task=task)
+        try:
+            blocks: list[nn.Module] | None = list(transformer_layers(model))
+        except ConfigError:  # no list of repeated blocks at all
+            blocks = None
+        if len(_SIGNATURES) > MAX_CACHED:
+            _SIGNATURES.clear()
+        _SIGNATURES[key] = None if blocks is None else [_signature(block) for block in blocks]
+    return _SIGNATURES[key]
+
+
+def _signature(block: nn.Module) -> tuple[object, ...]:
+    """A block's structure: its modules' classes and plain settings (not their index), its parameters' shapes."""
+    modules = tuple((name, type(module).__name__, tuple(sorted(
+        (key, value) for key, value in vars(module).items()
+        if isinstance(value, SETTINGS) and not key.startswith("_") and "idx" not in key and "index" not in key
+        and key not in ("layer_id", "layer_number"))))
+        for name, module in block.named_modules())
+    parameters = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+    return modules, parameters
