@@ -4,8 +4,9 @@ A step is replayed at full depth from a copy of ``k`` blocks (:mod:`memfit.memor
 model's blocks really repeat: every block of the full-depth model must have the structure (module classes,
 their settings, parameter shapes) of the block of the copy it is replayed from. The structure is read from
 the model built on the ``meta`` device (no memory, about a second for an 8B model; kept per config). Blocks
-that alternate (Gemma-2's sliding and full attention, checkpointing of every N-th block) repeat with a period
-of several blocks; a different first block (DeepSeek's dense first layers) moves the repeating part up.
+checkpointed every N-th repeat with a period of N blocks; a different first block (DeepSeek's dense first
+layers) moves the repeating part up. Blocks that alternate in kind (Gemma-2's and gpt-oss's sliding and full
+attention) are traced in full.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
     full = _signatures(spec, task)
     if full is None or len(full) != spec.num_layers:
         return "the model's repeated blocks are not its layers"
-    every = config.checkpoint_every if config.checkpointing == "every-n" else 1
-    found = _period(full, every)
-    if found is None:
+    structure = _period(full, 1)
+    if structure is None:
         return "the model's blocks do not repeat"
-    offset, period = found
-    first = offset + 2  # one block of the repeating part before the two groups compared
+    if structure[1] > 1:  # checked on Gemma-2, but gpt-oss's alternating blocks replay 1 KiB short: not yet
+        return "the model's blocks alternate in kind"
+    every = config.checkpoint_every if config.checkpointing == "every-n" else 1
+    offset, period = structure[0], every
+    first = offset + 1 + period  # a whole period of the repeating part before the two groups compared
     last = first + 2 * period - 1
     layers = last + 1 + (spec.num_layers - last - 1) % period
     copies = (spec.num_layers - layers) // period

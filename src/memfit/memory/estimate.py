@@ -338,6 +338,8 @@ def _shortened(config: TrainConfig, trace: TraceInputs, strategy: str) -> _Short
     """The shortened trace that stands for ``trace``, or why the full one runs."""
     if strategy == "ddp":
         return "full trace: DDP's gradient buckets group parameters across blocks"
+    if strategy == "fsdp":
+        return "full trace: FSDP's prefetching overlaps neighbouring blocks"
     depth = depth_cut(trace.spec, config, trace.task)
     windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
                       limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]

@@ -119,6 +119,7 @@ class RecordingTracker(StorageTracker):
         self._extra: dict[int, int] = {}
         self._op_block: int | None = None
         self._last_micro: int | None = None
+        self._input_block: int | None = None
         self._sticky: int | None = None
         self.blocks: list[nn.Module] = []
 
@@ -183,7 +184,7 @@ class RecordingTracker(StorageTracker):
         for leaf, owner in zip(leaves, owners, strict=True):
             for tensor in local_tensors([leaf]):
                 self._out_owner[tensor.untyped_storage()._cdata] = owner
-        single = {owner for owner in owners}
+        single = set(owners) if leaves else {self._input_block}  # an in-place op: whose inputs it changes
         self._op_block = single.pop() if len(single) == 1 else None
 
     def _data_owners(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> list[int | None]:
@@ -197,6 +198,7 @@ class RecordingTracker(StorageTracker):
                     return owners
         inputs = [leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)]
         found = {owner for leaf in inputs for owner in [self._local_block(leaf)] if owner is not None}
+        self._input_block = next(iter(found)) if len(found) == 1 else None
         if len(found) == 1:
             self._sticky = found.pop()
             return [self._sticky] * len(leaves)
@@ -208,7 +210,7 @@ class RecordingTracker(StorageTracker):
                         if self._group.copied(self._local_block(leaf)))
             for tensor in local_tensors(leaves[:1]):
                 self._extra[tensor.untyped_storage()._cdata] = grown
-        elif self.unexpandable is None and _grows(inputs, leaves):
+        elif self._group is not None and self.unexpandable is None and _grows(inputs, leaves):
             self.unexpandable = f"{func._schema.name} combines tensors of several blocks into a larger one"
         return [None] * len(leaves)
 
@@ -357,42 +359,58 @@ class _Expansion:
 
     def run(self) -> list[Event]:
         repeat = self.repeat
-        period, last = repeat.period, repeat.last
-        owners = [run[0] for run in self.runs]
-        ascending: dict[int, list[int]] = {}  # index of the group's last run -> the group's runs, in order
-        descending: dict[int, list[int]] = {}  # index of the group's first run -> the group's runs, in order
+        after: dict[int, list[int]] = {}  # an ascending chain's last copied run -> the copied runs, in order
+        before: dict[int, list[int]] = {}  # a descending chain's first copied run -> the copied runs, in order
         paired: set[int] = set()
-        for index, owner in enumerate(owners):
-            if owner != last:
+        for chain in self._chains():
+            copied = [i for i in chain if repeat.copied(self.runs[i][0])]
+            if not copied:
                 continue
-            up = owners[index - 2 * period + 1:index + 1] if index >= 2 * period - 1 else []
-            down = owners[index:index + 2 * period]
-            if up == list(range(repeat.first, last + 1)):
-                group = list(range(index - period + 1, index + 1))
-                self._congruent(group, [i - period for i in group])
-                ascending[index] = group
-            elif down == list(range(last, repeat.first - 1, -1)):
-                group = list(range(index, index + period))
-                self._congruent(group, [i + period for i in group])
-                descending[index] = group
-            else:
-                raise NotRepeating(f"{self.tag} {owner}'s events do not follow the {self.tag} before it")
-            paired.update(group)
-        unpaired = [owners[i] for i in range(len(owners)) if repeat.copied(owners[i]) and i not in paired]
+            earlier = [i for i in chain if repeat.first <= (self.runs[i][0] or 0) < repeat.first + repeat.period]
+            shifted = [(self.runs[i][0] or 0) - repeat.period for i in copied]
+            if shifted != [self.runs[i][0] for i in earlier]:
+                raise NotRepeating(f"{self.tag} {self.runs[copied[0]][0]}'s events do not follow the "
+                                   f"{self.tag}s before it")
+            self._congruent(copied, earlier)
+            paired.update(copied)
+            ascending = copied[0] > earlier[0]
+            (after if ascending else before)[copied[-1] if ascending else copied[0]] = copied
+        unpaired = [run[0] for index, run in enumerate(self.runs) if repeat.copied(run[0]) and index not in paired]
         if unpaired:
             raise NotRepeating(f"{self.tag} {unpaired[0]} has events outside the repeating pattern")
         out: list[Event] = []
         for index, (owner, start, end) in enumerate(self.runs):
-            if index in descending:
+            if index in before:
                 for copy in range(repeat.copies, 0, -1):
-                    for source in descending[index]:
+                    for source in before[index]:
                         self._emit_copy(out, source, copy)
             self._emit(out, start, end, owner, repeat.renumbered(owner), copy=False)
-            if index in ascending:
+            if index in after:
                 for copy in range(1, repeat.copies + 1):
-                    for source in ascending[index]:
+                    for source in after[index]:
                         self._emit_copy(out, source, copy)
         return out
+
+    def _chains(self) -> list[list[int]]:
+        """Maximal runs of runs whose owners rise (or fall) one after the other: the blocks in order, as
+        forward, backward and the optimizer visit them."""
+        chains: list[list[int]] = []
+        index = 0
+        while index < len(self.runs):
+            chain = [index]
+            owner = self.runs[index][0]
+            if owner is not None and index + 1 < len(self.runs) and self.runs[index + 1][0] is not None:
+                rising = (self.runs[index + 1][0] or 0) > owner
+                while index + 1 < len(self.runs):
+                    following = self.runs[index + 1][0]
+                    current = self.runs[index][0] or 0
+                    if following is None or (following > current) != rising or following == current:
+                        break
+                    index += 1
+                    chain.append(index)
+            chains.append(chain)
+            index += 1
+        return chains
 
     def _emit_copy(self, out: list[Event], run: int, copy: int) -> None:
         owner, start, end = self.runs[run]
