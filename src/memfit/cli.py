@@ -32,7 +32,14 @@ from memfit.dependencies import check_transformers
 from memfit.errors import ConfigError, MemfitError, NothingFits
 from memfit.names import BUILTIN_DATASETS as BUILTIN
 from memfit.names import DATA_FORMATS, PRESETS, PROFILES
-from memfit.views import print_cached_models, print_devices, print_estimate, print_plan, print_quantize
+from memfit.views import (
+    TraceProgress,
+    print_cached_models,
+    print_devices,
+    print_estimate,
+    print_plan,
+    print_quantize,
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -231,6 +238,9 @@ def _device_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, f
                            help="every text fills --seq-len (long texts truncated, packed sequences): no micro-batch "
                                 "is padded, and an unpadded step keeps less (no attention mask; grouped-query K/V "
                                 "not repeated) [off: the worst case, a padded batch]")
+        where.add_argument("--exact-trace", action="store_true",
+                           help="trace every block and micro-step instead of a few replayed to full length (the "
+                                "same numbers, slower) [off]")
     else:
         where.add_argument("--device", help=f"{', '.join(DEVICES)}, or a GPU profile (1080ti, t4, ...): train on "
                                             f"CUDA, planned for that card [{defaults.device}]")
@@ -295,6 +305,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--emit", choices=("table", "trainer"), default="table",
                      help="trainer: print the plan as Python for a transformers Trainer script [table]")
     out.add_argument("--save", metavar="PLAN_JSON", help="write the plan for memfit train --plan")
+    out.add_argument("--exact-trace", action="store_true",
+                     help="trace every block and micro-step of each setup instead of a few replayed to full length "
+                          "(the same plan, slower) [off]")
 
 
 def add_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -367,10 +380,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.seq_len is not None:
         given["max_length"] = args.seq_len
     config = from_mapping({**values, **given})
-    result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len, image_size=args.image_size,
-                  margin=args.margin, allow=Allowed.of(args), lora_rank=args.lora_rank,
-                  precisions=None if args.precision == "auto" else (args.precision,), num_labels=args.num_labels,
-                  gpus=args.gpus)
+    with contextlib.nullcontext(None) if args.json else TraceProgress() as progress:
+        result = plan(config, device=args.device, budget=args.budget, seq_len=args.seq_len,
+                      image_size=args.image_size, margin=args.margin, allow=Allowed.of(args), lora_rank=args.lora_rank,
+                      precisions=None if args.precision == "auto" else (args.precision,),
+                      num_labels=args.num_labels, gpus=args.gpus, exact_trace=args.exact_trace, progress=progress)
     if args.save:
         result.save(args.save)
     if args.json:
@@ -391,7 +405,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 NO_CLIP = "none"
 NOT_CONFIG = ("command", "config", "json", "profile", "seq_len", "image_size", "steps", "quantize", "full_length",
-              "dry_run", "words")
+              "dry_run", "words", "exact_trace")
 
 
 def _optional_float(text: str) -> float | str:
@@ -466,7 +480,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     from memfit.memory.estimate import estimate
 
     result = estimate(config_from_args(args), device=args.profile, seq_len=args.seq_len,
-                      image_size=args.image_size, steps=args.steps, padded=not args.full_length)
+                      image_size=args.image_size, steps=args.steps, padded=not args.full_length,
+                      exact_trace=args.exact_trace)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -6,6 +6,7 @@ Each view takes a rich ``Console`` and a result; :mod:`memfit.cli` chooses which
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def print_estimate(console: Console, result: Any) -> None:
         verdict = "[green]fits" if result.fits else "[red]does not fit"
         console.print(f"{verdict}[/] in {format_bytes(result.device_memory_bytes)}: needs "
                       f"{format_bytes(result.total_bytes)}, headroom {format_bytes(result.headroom_bytes)}")
-    console.print(f"traced {result.traced_ops:,} ops in {result.seconds:.1f} s")
+    console.print(f"{result.traced_ops:,} ops of the step in {result.seconds:.1f} s ({result.trace})")
 
 
 def print_cached_models() -> None:
@@ -181,3 +182,36 @@ def print_cached_models() -> None:
         contents = "weights" if model["weights"] else "config only"
         print(f"{model['repo_id']:<{width}}  {','.join(model['revisions']) or '-'}  {contents}  "
               f"{format_bytes(model['bytes'])}")
+
+
+class TraceProgress:
+    """A plan's progress on stderr (traces done, the families searched), shown once it has run ``after``
+    seconds: a plan that answers at once shows none. Used as a context manager around the plan."""
+
+    def __init__(self, after: float = 2.0) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.after = after
+        self.started = time.perf_counter()
+        self.traces = 0
+        self.families: set[str] = set()
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                  console=Console(stderr=True), transient=True)
+        self._task = self._progress.add_task("planning", total=None)
+        self._shown = False
+
+    def __call__(self, family: str) -> None:
+        self.traces += 1
+        self.families.add(family)
+        if not self._shown and time.perf_counter() - self.started >= self.after:
+            self._progress.start()
+            self._shown = True
+        self._progress.update(self._task, description=f"planning: {self.traces} traces of "
+                                                       f"{len(self.families)} techniques, last {family}")
+
+    def __enter__(self) -> TraceProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._shown:
+            self._progress.stop()

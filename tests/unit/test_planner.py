@@ -288,25 +288,6 @@ def test_bitsandbytes_techniques_are_offered_only_where_its_kernels_run() -> Non
     assert bitsandbytes_problem(maxwell) == problem
 
 
-def test_a_deep_models_line_point_is_its_full_depth_trace_on_cpu(tmp_path: Path) -> None:
-    """The planner's depth extrapolation: copies 2 and 4 blocks deep give a 6-block model's peak, phases,
-    breakdown, ops and FLOPs exactly (every block costs the same on CPU)."""
-    from memfit.planner.search import DEPTHS, extrapolate
-    from tests.conftest import write_tiny_llm
-
-    model = write_tiny_llm(tmp_path / "llm", config={"num_hidden_layers": 6})
-    config = TrainConfig(model=str(model), max_length=16, effective_batch=4, micro_batch_size=2, task="causal-lm",
-                         lora_rank=4)
-
-    def trace(layers: int | None) -> Estimate:
-        return estimate(config, seq_len=16, count_flops=True, lean_warmup=True, layers=layers)
-
-    full, line = trace(None), extrapolate(trace(DEPTHS[0]), trace(DEPTHS[1]), DEPTHS, 6)
-    assert (line.peak_bytes, line.phases, line.breakdown) == (full.peak_bytes, full.phases, full.breakdown)
-    assert (line.flops, line.traced_ops, line.trainable_parameters) == (full.flops, full.traced_ops,
-                                                                          full.trainable_parameters)
-
-
 def test_a_causal_lm_whose_logits_do_not_fit_is_planned_with_a_chunked_loss(tmp_path: Path) -> None:
     """A large vocabulary over a long sequence: the logits and the loss's copies of them dominate, so even full
     checkpointing does not fit and the loss in chunks does; the plan says so, and its peak is what

@@ -56,7 +56,7 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
         return "the model's blocks alternate in kind"
     every = config.checkpoint_every if config.checkpointing == "every-n" else 1
     offset, period = structure[0], every
-    first = offset + 1 + period  # a whole period of the repeating part before the two groups compared
+    first = offset + period + 2  # a first block may differ (its input), then a whole period, then the groups
     last = first + 2 * period - 1
     layers = last + 1 + (spec.num_layers - last - 1) % period
     copies = (spec.num_layers - layers) // period

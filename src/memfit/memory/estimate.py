@@ -57,8 +57,8 @@ from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.build_values import BuildValuesFakeMode
-from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.depth import DepthCut, depth_cut
+from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.moe import GroupedMatmulShapes
 from memfit.memory.norm_stats import NormStatsDtypes

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,7 @@ class RecordingTracker(StorageTracker):
         self.blocks: list[nn.Module] = []
 
     # --- owners ---
-    def mark_blocks(self, blocks: list[nn.Module]) -> None:
+    def mark_blocks(self, blocks: Iterable[nn.Module]) -> None:
         """Hooks that say which block runs: forward from its pre-hook to the next block's (what the model does
         between two blocks, as dropping the last block's outputs, is the earlier block's; after the last block,
         the head and the loss are the last block's), backward from the gradient of its output to the gradient
@@ -298,6 +298,12 @@ class RecordingTracker(StorageTracker):
         super()._exit_phase(outer)
 
 
+def _owner(event: Event, axis: int) -> int | None:
+    owner = event[axis]
+    assert owner is None or isinstance(owner, int)
+    return owner
+
+
 def _grows(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
     """Whether an output is larger than every input: an op over several blocks' tensors whose size could
     grow with the depth (an add of two blocks' gradients does not)."""
@@ -308,7 +314,8 @@ def _grows(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
 def replay(events: list[Event], tracker: StorageTracker) -> None:
     """Run a record through ``tracker``'s accounting, as the trace's storages would have."""
     for kind, storage, nbytes, label, *_ in events:
-        if kind in ("f", "r") and storage not in tracker._sizes or kind == "g" and storage not in tracker._host_sizes:
+        known = tracker._host_sizes if kind == "g" else tracker._sizes
+        if kind in ("f", "r", "g") and storage not in known:
             raise NotRepeating(f"the expanded record frees or relabels a storage it never allocated ({storage})")
         if kind == "a":
             tracker._allocate(storage, nbytes, label)
@@ -343,7 +350,7 @@ class _Expansion:
         counts: Counter[tuple[Hashable, ...]] = Counter()
         for event in events:
             if event[0] in ("a", "h"):
-                owner = event[axis]
+                owner = _owner(event, axis)
                 self.owner[event[1]] = owner
                 if owner is not None:
                     space = (owner, event[self.other], event[7])
@@ -354,7 +361,7 @@ class _Expansion:
         start = 0
         for index in range(1, len(events) + 1):
             if index == len(events) or events[index][axis] != events[start][axis]:
-                self.runs.append((events[start][axis], start, index))
+                self.runs.append((_owner(events[start], axis), start, index))
                 start = index
 
     def run(self) -> list[Event]:
@@ -421,7 +428,7 @@ class _Expansion:
               copy: bool) -> None:
         axis, repeat = self.axis, self.repeat
         for event in self.events[start:end]:
-            kind, storage, nbytes, label = event[0], event[1], event[2], event[3]
+            storage, nbytes = event[1], event[2]
             if storage is not None:
                 storage = self._renamed(storage, owner, new_owner, copy=copy)
             extra = event[6]
@@ -429,7 +436,7 @@ class _Expansion:
                 nbytes, extra = nbytes + repeat.copies * extra, 0
             renamed = list(event)
             renamed[1], renamed[2], renamed[axis], renamed[6] = storage, nbytes, new_owner, extra
-            out.append(tuple(renamed))  # type: ignore[arg-type]
+            out.append(tuple(renamed))
 
     def _renamed(self, storage: Hashable, owner: int | None, new_owner: int | None, *, copy: bool) -> Hashable:
         target = self.owner.get(storage)
@@ -494,7 +501,7 @@ def _frees_in_order(events: list[Event], axis: int, owner: dict[Hashable, int | 
 def _owned_by(event: Event, axis: int, owner: int | None) -> Event:
     moved = list(event)
     moved[axis] = owner
-    return tuple(moved)  # type: ignore[return-value]
+    return tuple(moved)
 
 
 def scaled(counts: Counter[Any], blocks: Repeat | None, windows: list[Repeat]) -> int:

@@ -27,10 +27,9 @@ Cost model (all of it):
              optimizer) allocated(m) = a + b·m, the peak is the largest phase, plus the allocator's reserve
              (also a line) and the non-PyTorch bytes of the device. A trace of two micro-steps stands for
              any accumulation >= 2: every micro-step after the first sees the same live set, except the
-             window's input batches, which all live until the window ends (added per sample). For a
-             model of more than 8 identical blocks, each of the line's two points is extrapolated from
-             traces of copies 2 and 4 blocks deep (every block adds the same bytes, ops and FLOPs: exact
-             on CPU; on a CUDA target the allocator's block reuse makes it a fraction of a percent off).
+             window's input batches, which all live until the window ends (added per sample). Every trace
+             of a model whose blocks repeat is a shortened one (a few blocks, a few micro-steps) replayed at
+             full length, equal to the full trace to the byte (memory.repeats; --exact-trace: in full).
     time     t(step) = E·F / (R_dtype·EFFICIENCY)            compute: F = traced FLOPs per sample (forward,
                                                                backward, checkpointing's recompute), R_dtype
                                                                = the profile's dense FLOP/s for the dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -39,7 +40,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
          budget: str | int | None = None, effective_batch: int | None = None, seq_len: int | None = None,
          image_size: int | None = None, margin: float = 0.05, allow: Allowed = NOTHING,
          lora_rank: int = 16, precisions: tuple[str, ...] | None = None, num_labels: int = 2,
-         cache: dict[Any, Estimate] | None = None, gpus: int | None = None, suggest: bool = True) -> Plan:
+         cache: dict[Any, Estimate] | None = None, gpus: int | None = None, suggest: bool = True,
+         exact_trace: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
     at ``effective_batch``; see the module docstring for the search and its cost model. ``allow``: the opt-ins
     (:class:`~memfit.planner.allowed.Allowed`) tried in their order of fidelity when nothing accuracy-neutral
@@ -49,7 +51,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
     on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's. ``suggest=False``: when
     nothing fits, trace only the opt-ins allowed, not what the others would need (a training run, which cannot
-    opt in to them; a table of one technique per cell)."""
+    opt in to them; a table of one technique per cell). ``exact_trace``: every setup traced in full rather than
+    shortened and replayed (the same numbers, slower); ``progress(technique)``: told after each trace."""
     started = time.perf_counter()
     base = config or TrainConfig()
     allow = allow.union(Allowed.of(base))  # a run's own --allow-* options
@@ -67,7 +70,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
-                     num_labels=num_labels, cache=cache, layers=spec.num_layers)
+                     num_labels=num_labels, cache=cache, exact_trace=exact_trace, progress=progress)
     named = planned_precisions(profile) if precisions else profile.precisions()  # bf16-true: named, or opted in
     chosen_precisions = tuple(sorted((p for p in named if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))

@@ -20,37 +20,6 @@ BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
 SMALLEST_BAND = 0.10
 """Families whose line at micro-batch 1 is this close above the lowest are traced there too."""
-DEPTHS = (2, 4)
-"""A deeper model's line points come from traces of copies this deep: every block costs the same."""
-
-
-def extrapolate(shallow: Estimate, deeper: Estimate, depths: tuple[int, int], layers: int) -> Estimate:
-    """The estimate of a model of ``layers`` identical blocks from traces of copies ``depths`` deep: memory,
-    ops and FLOPs grow by the same amount with every block. Exact to the byte on CPU (where the tracker counts
-    storages as they are); on a CUDA target the caching allocator's block reuse is not linear in depth, so a
-    line point can be off by a fraction of a percent (reserved: a few percent) until an exact trace confirms
-    it (:meth:`Search.confirm`)."""
-    def at(low: float, high: float) -> int:
-        return int(low + (high - low) * (layers - depths[0]) / (depths[1] - depths[0]))
-
-    def each(low: dict[str, int], high: dict[str, int]) -> dict[str, int]:
-        return {name: at(value, high.get(name, value)) for name, value in low.items()}
-
-    phases = each(shallow.phases, deeper.phases)
-    return dataclasses.replace(
-        shallow, peak_bytes=at(shallow.peak_bytes, deeper.peak_bytes),
-        peak_reserved_bytes=at(shallow.peak_reserved_bytes, deeper.peak_reserved_bytes),
-        breakdown=each(shallow.breakdown, deeper.breakdown), phases=phases,
-        peak_phase=max(phases, key=lambda name: phases[name]), traced_ops=at(shallow.traced_ops, deeper.traced_ops),
-        phase_ops=each(shallow.phase_ops, deeper.phase_ops),
-        flops=None if shallow.flops is None or deeper.flops is None else at(shallow.flops, deeper.flops),
-        dequantized_bytes=None if shallow.dequantized_bytes is None or deeper.dequantized_bytes is None
-        else at(shallow.dequantized_bytes, deeper.dequantized_bytes),
-        trainable_parameters=at(shallow.trainable_parameters, deeper.trainable_parameters),
-        parameters=at(shallow.parameters, deeper.parameters), host_bytes=at(shallow.host_bytes, deeper.host_bytes),
-        host_breakdown=each(shallow.host_breakdown, deeper.host_breakdown))
-
-
 def micro_batch_sizes(effective_batch: int) -> list[int]:
     """Micro-batch sizes worth trying, largest first: E/k rounded up for k a divisor of E or a power of two
     (a remainder goes to a smaller last micro-step), one per distinct size."""
@@ -86,10 +55,12 @@ class _Line:
 class Search:
     def __init__(self, base: TrainConfig, profile: DeviceProfile, *, usable_bytes: int, seq_len: int | None,
                  image_size: int | None, num_labels: int, cache: dict[Any, Estimate] | None = None,
-                 layers: int = 0) -> None:
+                 exact_trace: bool = False, progress: Callable[[str], None] | None = None) -> None:
         self.base, self.profile, self.usable = base, profile, usable_bytes
-        self.layers = layers
-        """The model's blocks: deeper than twice the deepest of :data:`DEPTHS`, its lines come from copies."""
+        self.exact_trace = exact_trace
+        """Trace every step in full (``--exact-trace``) rather than a shortened trace replayed at full length."""
+        self.progress = progress
+        """Told after each trace (a progress bar)."""
         self.seq_len, self.image_size, self.num_labels = seq_len, image_size, num_labels
         self.global_batch = base.effective_batch
         self.world_size = base.world_size
@@ -108,39 +79,32 @@ class Search:
         return self.world_size if family.ranks else 1
 
     # --- tracing ---
-    def trace(self, family: Family, micro: int, *, accumulate: bool, lean: bool = False,
-              layers: int | None = None) -> Estimate:
+    def trace(self, family: Family, micro: int, *, accumulate: bool, lean: bool = False) -> Estimate:
         """A trace; ``accumulate``: windows of two micro-steps (exact for any accumulation >= 2, with the
         window's other inputs added); ``lean``: a one-micro-batch first step (the fit's points: the same
         allocated peak for a quarter fewer ops; the allocator's reserve can differ, so confirmations are not
-        lean and equal ``memfit estimate``); ``layers``: of a copy of the model that deep (not kept as a
-        setup's trace)."""
+        lean and equal ``memfit estimate``)."""
         accumulate = accumulate and not family.optimizer_in_backward  # a window of one micro-batch there
         lean = lean and accumulate  # a window of one micro-batch is lean already
         key = (family, micro, accumulate, lean)
-        if key not in self.traces or layers is not None:
+        if key not in self.traces:
             ranks = self.ranks(family)
             config = family.configure(self.base, micro_batch_size=micro,
                                       effective_batch=(2 * micro if accumulate else micro) * ranks)
             shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
-                      self.num_labels, lean, layers)  # a lean trace's reserve can differ: never an exact one's
+                      self.num_labels, lean, self.exact_trace)  # a lean trace's reserve can differ
             if shared not in self.cache:
                 self.cache[shared] = estimate(config, device=self.profile, seq_len=self.seq_len,
                                               image_size=self.image_size, num_labels=self.num_labels, steps=STEPS,
-                                              count_flops=True, lean_warmup=lean, layers=layers)
-            if layers is not None:
-                return self.cache[shared]
+                                              count_flops=True, lean_warmup=lean, exact_trace=self.exact_trace)
+                if self.progress is not None:
+                    self.progress(family.technique_label)
             self.traces[key] = self.cache[shared]
         return self.traces[key]
 
     def line_point(self, family: Family, micro: int) -> Estimate:
-        """A point of ``family``'s line at ``micro``: a lean trace, or for a deep model (one GPU, no top-K
-        freezing) the extrapolation of two shallow copies' lean traces (:func:`extrapolate`)."""
-        deep = self.layers > 2 * DEPTHS[-1] and not family.freeze.startswith("top-") and not family.ranks
-        key = (family, micro, True, True)
-        if deep and key not in self.traces:
-            shallow = [self.trace(family, micro, accumulate=True, lean=True, layers=depth) for depth in DEPTHS]
-            self.traces[key] = extrapolate(shallow[0], shallow[1], DEPTHS, self.layers)
+        """A point of ``family``'s line at ``micro``: a lean trace (at the model's full depth: a deep model's
+        trace is a shortened one replayed, :mod:`memfit.memory.repeats`)."""
         return self.trace(family, micro, accumulate=True, lean=True)
 
     def exact(self, family: Family, micro: int) -> Estimate:

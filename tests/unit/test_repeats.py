@@ -1,0 +1,116 @@
+"""A shortened trace replayed at full depth and window length equals the full trace, line by line; where the
+step does not repeat, the full trace runs and the estimate says why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfit import TrainConfig
+from memfit.memory.estimate import Estimate, estimate
+from memfit.memory.repeats import BLOCK, NotRepeating, Repeat, expand
+from tests.conftest import TINY_BERT, TINY_LLAMA, TINY_MOE, TINY_VIT, write_model_dir
+
+FIELDS = ("peak_bytes", "peak_reserved_bytes", "breakdown", "phases", "peak_phase", "traced_ops", "phase_ops",
+          "flops", "dequantized_bytes", "trainable_parameters", "parameters", "host_bytes", "host_breakdown",
+          "traced_micro_steps", "traced_samples")
+
+
+def both(model: Path, device: str, **options: Any) -> tuple[Estimate, Estimate]:
+    config = TrainConfig(model=str(model), max_length=16, **options)
+    full = estimate(config, device=device, seq_len=16, count_flops=True, exact_trace=True)
+    fast = estimate(config, device=device, seq_len=16, count_flops=True)
+    return full, fast
+
+
+def assert_equal(full: Estimate, fast: Estimate) -> None:
+    assert full.trace == "full trace"
+    assert {name: getattr(fast, name) for name in FIELDS} == {name: getattr(full, name) for name in FIELDS}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("repeats")
+    deep = {"vocab_size": 64, "num_hidden_layers": 8}
+    return {
+        "llama": write_model_dir(root / "llama", {**TINY_LLAMA, **deep}),
+        "bert": write_model_dir(root / "bert", {**TINY_BERT, **deep}),
+        "vit": write_model_dir(root / "vit", {**TINY_VIT, "num_hidden_layers": 8}),
+        "qwen3_moe": write_model_dir(root / "moe", {**TINY_LLAMA, **TINY_MOE["qwen3_moe"], **deep}),
+        "deepseek_v3": write_model_dir(root / "ds", {**TINY_LLAMA, **TINY_MOE["deepseek_v3"], **deep}),
+        "gemma2": write_model_dir(root / "gemma2", {
+            "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 32, "head_dim": 8,
+            "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 4, **deep}),
+    }
+
+
+GRID = [
+    ("llama", "cpu", {"task": "causal-lm"}, "5 of 8 blocks traced"),
+    ("llama", "cpu", {"task": "causal-lm", "effective_batch": 12, "micro_batch_size": 2},
+     "5 of 8 blocks and 8 of 12 micro-steps traced"),
+    ("llama", "1080ti", {"task": "causal-lm", "effective_batch": 12, "micro_batch_size": 2, "precision": "fp16"},
+     "8 of 12 micro-steps"),
+    ("llama", "4090", {"task": "causal-lm", "checkpointing": "full", "precision": "bf16"}, "5 of 8 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "checkpointing": "every-n", "effective_batch": 10,
+                       "micro_batch_size": 2}, "8 of 10 micro-steps"),
+    ("llama", "4090", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16"},
+     "5 of 8 blocks"),
+    ("llama", "cpu", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "checkpointing": "full"},
+     "5 of 8 blocks"),
+    ("llama", "1080ti", {"task": "causal-lm", "optimizer": "adamw8bit", "precision": "fp16"}, "5 of 8 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "loss_chunk": 4, "effective_batch": 6, "micro_batch_size": 1,
+                       "lora_rank": 4, "precision": "bf16"}, "8 of 12 micro-steps"),
+    ("llama", "4090", {"task": "causal-lm", "optimizer_in_backward": True, "precision": "bf16",
+                       "max_grad_norm": None}, "5 of 8 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "precision": "bf16-true"}, "5 of 8 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16"},
+     "full trace: FSDP"),
+    ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"}, "full trace: "),
+    ("bert", "1080ti", {"effective_batch": 14, "micro_batch_size": 2}, "5 of 8 blocks and 8 of 14 micro-steps"),
+    ("bert", "t4", {"precision": "fp16", "checkpointing": "full", "freeze_embeddings": True}, "5 of 8 blocks"),
+    ("vit", "1080ti", {"effective_batch": 10, "micro_batch_size": 2, "precision": "fp16"}, "5 of 8 blocks"),
+    ("qwen3_moe", "4090", {"task": "causal-lm", "precision": "bf16", "effective_batch": 10, "micro_batch_size": 2},
+     "5 of 8 blocks and 8 of 10 micro-steps"),
+    ("deepseek_v3", "cpu", {"task": "causal-lm"}, "6 of 8 blocks"),  # its first block is dense: one more
+    ("gemma2", "4090", {"task": "causal-lm", "precision": "bf16"}, "full trace: the model's blocks alternate"),
+]
+
+
+@pytest.mark.parametrize(("name", "device", "options", "how"), GRID,
+                         ids=[f"{name}-{device}-{'-'.join(f'{k}={v}' for k, v in options.items())}"
+                              for name, device, options, _ in GRID])
+def test_the_shortened_trace_equals_the_full_trace(models: dict[str, Path], name: str, device: str,
+                                                   options: dict[str, Any], how: str) -> None:
+    full, fast = both(models[name], device, **options)
+    assert how in fast.trace
+    assert_equal(full, fast)
+
+
+def test_a_ddp_rank_is_traced_in_full_and_says_why(models: dict[str, Path]) -> None:
+    config = TrainConfig(model=str(models["llama"]), max_length=16, task="causal-lm", world_size=2,
+                         distributed="ddp")
+    assert estimate(config, seq_len=16).trace == \
+        "full trace: DDP's gradient buckets group parameters across blocks"
+
+
+def test_a_group_that_does_not_repeat_the_one_before_is_refused() -> None:
+    """Block 3 allocates 8 bytes where block 2 allocated 4: copying block 3 would be a guess."""
+    events = [("a", 10 + owner, 4 * max(1, owner - 1), "activations", owner, None, 0, (True, "forward"))
+              for owner in (1, 2, 3, 4)]
+    with pytest.raises(NotRepeating, match="block 3 does not repeat block 2"):
+        expand(events, BLOCK, Repeat(first=2, period=1, copies=2))
+
+
+def test_copies_are_inserted_after_the_group_and_free_their_own_storages() -> None:
+    """Forward allocates one tensor per block, backward frees them all at once: two copies of block 3 allocate
+    and free two more, and block 4 becomes block 6 (frees in a row are put in one order: by block)."""
+    forward = [("a", owner, 8, "activations", owner, None, 0, (True, "forward")) for owner in (1, 2, 3, 4)]
+    backward = [("f", owner, 0, None, owner, None, 0, None) for owner in (4, 3, 2, 1)]
+    expanded = expand(forward + backward, BLOCK, Repeat(first=2, period=1, copies=2))
+    assert [(event[0], event[4]) for event in expanded] == [
+        *[("a", owner) for owner in range(1, 7)], *[("f", owner) for owner in range(1, 7)]]
+    allocated = [event[1] for event in expanded if event[0] == "a"]
+    assert sorted(allocated, key=repr) == sorted({event[1] for event in expanded if event[0] == "f"}, key=repr)
