@@ -7,6 +7,12 @@ each card, the speeds the planner's cost model; only a GPU can confirm either.
 
     .venv/bin/python benchmarks/plan_speed.py --json benchmarks/results/plan_speed_cpu.json
     .venv/bin/python benchmarks/plan_speed.py --quick   # BERT-base on the 1080 Ti only
+    .venv/bin/python benchmarks/plan_speed.py --llm llama-3.2-1b llama-3.1-8b --exact-too \
+        --json benchmarks/results/plan_speed_llm_cpu.json
+
+``--llm``: LLM presets planned as a user would (``memfit plan --task causal-lm --seq-len 1024 --effective-batch 16
+--device 1080ti --allow-lora --allow-qlora``), target 15 s each; ``--exact-too`` also plans each with
+``exact_trace=True`` (every block and micro-step traced, as before shortened traces) for the ratio.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "vit-base 224px": {"model": "vit-base", "seq_len": None},
 }
 DEVICES = ("1080ti", "t4", "a100-40gb")
+LLM_TARGET_SECONDS = 15.0
+"""Every LLM preset, 1024 tokens, effective batch 16, the 1080 Ti, LoRA and QLoRA allowed."""
 TIGHT_BUDGET = "3GiB"
 
 
@@ -46,6 +54,41 @@ def one(name: str, device: str, *, effective_batch: int, budget: str | None = No
     where = device if budget is None else f"{device}, budget {budget}"
     return {"model": name, "device": where, "seconds": seconds, "traces": result.traces, "chosen": chosen,
             "budget_bytes": result.budget_bytes, "usable_bytes": result.usable_bytes, "verdict": result.verdict}
+
+
+def llm(model: str, *, exact_trace: bool) -> dict[str, Any]:
+    from memfit.planner.allowed import Allowed
+
+    started = time.perf_counter()
+    result = plan(TrainConfig(model=model, task="causal-lm", max_length=1024, effective_batch=16), device="1080ti",
+                  seq_len=1024, allow=Allowed(lora=True, qlora=True), exact_trace=exact_trace)
+    return {"model": model, "exact_trace": exact_trace, "seconds": round(time.perf_counter() - started, 1),
+            "traces": result.traces, "verdict": result.verdict,
+            "chosen": result.chosen.to_dict() if result.chosen else None}
+
+
+def llm_main(models: list[str], *, exact_too: bool, output: str | None) -> None:
+    plan(TrainConfig(model="bert-base", effective_batch=8), device="1080ti", seq_len=16)  # warm-up, untimed
+    records = []
+    for model in models:
+        for exact in (False, True) if exact_too else (False,):
+            records.append(llm(model, exact_trace=exact))
+            record = records[-1]
+            print(f"| {model} | {'full traces' if exact else 'shortened traces'} | {record['seconds']:.1f} s | "
+                  f"{record['traces']} | {record['verdict'][:90]} |", flush=True)
+    for record in records:
+        if not record["exact_trace"]:
+            verdict = "meets" if record["seconds"] <= LLM_TARGET_SECONDS else "MISSES"
+            print(f"{record['model']}: {record['seconds']:.1f} s ({verdict} the {LLM_TARGET_SECONDS:.0f} s target)")
+    if output:
+        payload = {"records": records, "target_seconds": LLM_TARGET_SECONDS,
+                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                               "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+                   "date": datetime.date.today().isoformat(),
+                   "command": "python benchmarks/plan_speed.py --llm " + " ".join(models)
+                   + (" --exact-too" if exact_too else "")}
+        with open(output, "w") as file:
+            json.dump(payload, file, indent=1)
 
 
 def row(record: dict[str, Any]) -> str:
@@ -63,7 +106,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only BERT-base on the 1080 Ti")
     parser.add_argument("--effective-batch", type=int, default=32)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--llm", nargs="+", metavar="PRESET", help="plan these LLM presets instead (see above)")
+    parser.add_argument("--exact-too", action="store_true", help="with --llm: also plan with full traces")
     args = parser.parse_args()
+    if args.llm:
+        llm_main(args.llm, exact_too=args.exact_too, output=args.json)
+        return
     plan(TrainConfig(model="bert-base", effective_batch=8), device="1080ti", seq_len=16)  # warm-up, untimed
     pairs = [("bert-base S128", "1080ti")] if args.quick else [(m, d) for m in MODELS for d in DEVICES]
     records = [one(name, device, effective_batch=args.effective_batch) for name, device in pairs]

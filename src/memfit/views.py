@@ -203,7 +203,8 @@ class TraceProgress:
     def __call__(self, family: str) -> None:
         self.traces += 1
         self.families.add(family)
-        if not self._shown and time.perf_counter() - self.started >= self.after:
+        if not self._shown and self._progress.console.is_terminal and \
+                time.perf_counter() - self.started >= self.after:
             self._progress.start()
             self._shown = True
         self._progress.update(self._task, description=f"planning: {self.traces} traces of "

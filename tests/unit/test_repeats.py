@@ -33,48 +33,50 @@ def assert_equal(full: Estimate, fast: Estimate) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("repeats")
-    deep = {"vocab_size": 64, "num_hidden_layers": 8}
+    deep = {"vocab_size": 64, "num_hidden_layers": 6}  # a copy of 5 blocks and one copied: the least that shows it
     return {
         "llama": write_model_dir(root / "llama", {**TINY_LLAMA, **deep}),
         "bert": write_model_dir(root / "bert", {**TINY_BERT, **deep}),
-        "vit": write_model_dir(root / "vit", {**TINY_VIT, "num_hidden_layers": 8}),
+        "vit": write_model_dir(root / "vit", {**TINY_VIT, "num_hidden_layers": 6}),
         "qwen3_moe": write_model_dir(root / "moe", {**TINY_LLAMA, **TINY_MOE["qwen3_moe"], **deep}),
-        "deepseek_v3": write_model_dir(root / "ds", {**TINY_LLAMA, **TINY_MOE["deepseek_v3"], **deep}),
+        "deepseek_v3": write_model_dir(root / "ds", {**TINY_LLAMA, **TINY_MOE["deepseek_v3"], **deep,
+                                                      "num_hidden_layers": 7}),
         "gemma2": write_model_dir(root / "gemma2", {
             "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 32, "head_dim": 8,
             "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
-            "layer_types": ["sliding_attention", "full_attention"] * 4, **deep}),
+            **deep, "layer_types": ["sliding_attention", "full_attention"] * 3}),
     }
 
 
 GRID = [
-    ("llama", "cpu", {"task": "causal-lm"}, "5 of 8 blocks traced"),
+    ("llama", "cpu", {"task": "causal-lm"}, "5 of 6 blocks traced"),
     ("llama", "cpu", {"task": "causal-lm", "effective_batch": 12, "micro_batch_size": 2},
-     "5 of 8 blocks and 8 of 12 micro-steps traced"),
+     "5 of 6 blocks and 8 of 12 micro-steps traced"),
     ("llama", "1080ti", {"task": "causal-lm", "effective_batch": 12, "micro_batch_size": 2, "precision": "fp16"},
      "8 of 12 micro-steps"),
-    ("llama", "4090", {"task": "causal-lm", "checkpointing": "full", "precision": "bf16"}, "5 of 8 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "checkpointing": "full", "precision": "bf16"}, "5 of 6 blocks"),
     ("llama", "4090", {"task": "causal-lm", "checkpointing": "every-n", "effective_batch": 10,
                        "micro_batch_size": 2}, "8 of 10 micro-steps"),
     ("llama", "4090", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16"},
-     "5 of 8 blocks"),
+     "5 of 6 blocks"),
     ("llama", "cpu", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "checkpointing": "full"},
-     "5 of 8 blocks"),
-    ("llama", "1080ti", {"task": "causal-lm", "optimizer": "adamw8bit", "precision": "fp16"}, "5 of 8 blocks"),
+     "5 of 6 blocks"),
+    ("llama", "1080ti", {"task": "causal-lm", "optimizer": "adamw8bit", "precision": "fp16"}, "5 of 6 blocks"),
     ("llama", "4090", {"task": "causal-lm", "loss_chunk": 4, "effective_batch": 6, "micro_batch_size": 1,
                        "lora_rank": 4, "precision": "bf16"}, "8 of 12 micro-steps"),
     ("llama", "4090", {"task": "causal-lm", "optimizer_in_backward": True, "precision": "bf16",
-                       "max_grad_norm": None}, "5 of 8 blocks"),
-    ("llama", "4090", {"task": "causal-lm", "precision": "bf16-true"}, "5 of 8 blocks"),
+                       "max_grad_norm": None}, "5 of 6 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "precision": "bf16-true"}, "5 of 6 blocks"),
     ("llama", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16"},
      "full trace: FSDP"),
-    ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"}, "full trace: "),
-    ("bert", "1080ti", {"effective_batch": 14, "micro_batch_size": 2}, "5 of 8 blocks and 8 of 14 micro-steps"),
-    ("bert", "t4", {"precision": "fp16", "checkpointing": "full", "freeze_embeddings": True}, "5 of 8 blocks"),
-    ("vit", "1080ti", {"effective_batch": 10, "micro_batch_size": 2, "precision": "fp16"}, "5 of 8 blocks"),
+    ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"},
+     "full trace: the offloaded optimizer"),
+    ("bert", "1080ti", {"effective_batch": 14, "micro_batch_size": 2}, "5 of 6 blocks and 8 of 14 micro-steps"),
+    ("bert", "t4", {"precision": "fp16", "checkpointing": "full", "freeze_embeddings": True}, "5 of 6 blocks"),
+    ("vit", "1080ti", {"effective_batch": 10, "micro_batch_size": 2, "precision": "fp16"}, "5 of 6 blocks"),
     ("qwen3_moe", "4090", {"task": "causal-lm", "precision": "bf16", "effective_batch": 10, "micro_batch_size": 2},
-     "5 of 8 blocks and 8 of 10 micro-steps"),
-    ("deepseek_v3", "cpu", {"task": "causal-lm"}, "6 of 8 blocks"),  # its first block is dense: one more
+     "5 of 6 blocks and 8 of 10 micro-steps"),
+    ("deepseek_v3", "cpu", {"task": "causal-lm"}, "6 of 7 blocks"),  # its first block is dense: one more
     ("gemma2", "4090", {"task": "causal-lm", "precision": "bf16"}, "full trace: the model's blocks alternate"),
 ]
 

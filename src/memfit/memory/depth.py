@@ -26,6 +26,9 @@ from memfit.models import ModelSpec, _layer_count, is_encoder_decoder, transform
 MAX_PERIOD = 8
 MAX_OFFSET = 4
 MAX_CACHED = 16
+MIN_LAYERS = 6
+"""The shallowest copy traced is 5 blocks deep (a first block, one before the groups, two groups, one after):
+a model must be deeper for a copy to save anything."""
 SETTINGS = (int, float, str, bool, type(None))
 
 
@@ -44,6 +47,8 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
         return "an encoder-decoder's two stacks of blocks are traced in full"
     if config.train_top_layers:
         return "with --train-top-layers the blocks differ (frozen or trained)"
+    if spec.num_layers < MIN_LAYERS:
+        return None
     if _layer_count(spec.hf_config) is None:
         return "the model's blocks have no single depth to cut"
     full = _signatures(spec, task)
