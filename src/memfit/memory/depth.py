@@ -29,7 +29,7 @@ MAX_CACHED = 16
 MIN_LAYERS = 6
 """The shallowest copy traced is 5 blocks deep (a first block, one before the groups, two groups, one after):
 a model must be deeper for a copy to save anything."""
-SETTINGS = (int, float, str, bool, type(None))
+SETTINGS = (int, float, str, bool, type(None), tuple)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +108,13 @@ def _signatures(spec: ModelSpec, task: str) -> list[tuple[object, ...]] | None:
 
 
 def _signature(block: nn.Module) -> tuple[object, ...]:
-    """A block's structure: its modules' classes and plain settings (not their index), its parameters' shapes."""
+    """A block's structure: its modules' classes and plain settings (not their index), its parameters' and
+    buffers' shapes."""
     modules = tuple((name, type(module).__name__, tuple(sorted(
         (key, value) for key, value in vars(module).items()
         if isinstance(value, SETTINGS) and not key.startswith("_") and "idx" not in key and "index" not in key
         and key not in ("layer_id", "layer_number"))))
         for name, module in block.named_modules())
     parameters = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
-    return modules, parameters
+    buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in block.named_buffers())
+    return modules, parameters, buffers

@@ -368,8 +368,11 @@ def _replayed(config: TrainConfig, shortened: _Shortened, strategy: str, *, coun
     through the accounting a full trace would have run (:mod:`memfit.memory.repeats`)."""
     blocks = shortened.depth.repeat if shortened.depth is not None else None
     recorder = RecordingTracker(count_flops=count_flops, group=blocks)
-    run = _trace_steps(config, shortened.trace, strategy, execute=False, count_flops=count_flops,
-                       num_labels=num_labels, recorder=recorder)
+    try:
+        run = _trace_steps(config, shortened.trace, strategy, execute=False, count_flops=count_flops,
+                           num_labels=num_labels, recorder=recorder)
+    finally:  # its storages' finalizers hold the recorder: it must not hold the model's blocks in turn
+        recorder.blocks = []
     if recorder.unexpandable is not None:
         raise NotRepeating(recorder.unexpandable)
     events = recorder.events
@@ -418,7 +421,7 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
         trainable, total = count_parameters(model)
         emulation = CudaEmulation(profile.compute_capability) if profile.compute_capability else None
         if recorder is not None:
-            recorder.mark_blocks(transformer_layers(model))
+            recorder.mark_blocks(_blocks_of(model))
             if emulation is not None:
                 recorder.attention_flops = functools.partial(getattr, emulation, "attention_flops")
         # an encoder-decoder's causal mask is its decoder's, never padded (memfit.data.seq2seq): all ones
@@ -439,6 +442,15 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                       workspace_bytes=workspace_bytes, trainable=trainable, parameters=total, ops=tracker.op_count,
                       phase_ops=dict(tracker.phase_ops), flops=tracker.flops + attention_flops,
                       dequantized_bytes=tracker.dequantized_bytes)
+
+
+def _blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks a recording tracker marks; none where the model has no list of them (only its
+    micro-steps are then shortened)."""
+    try:
+        return list(transformer_layers(model))
+    except ConfigError:
+        return []
 
 
 def _eos_answers(trace: TraceInputs, windows: list[list[Batch]], *,

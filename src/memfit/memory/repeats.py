@@ -179,6 +179,8 @@ class RecordingTracker(StorageTracker):
         self._out_owner.clear()
         if self.block is not None:
             self._op_block = self.block
+            if self.block == len(self.blocks) and self._group is not None and leaves:  # the head and the loss
+                self._refuse_growth(func, args, leaves)
             return
         owners = self._data_owners(func, args, leaves)
         for leaf, owner in zip(leaves, owners, strict=True):
@@ -213,6 +215,14 @@ class RecordingTracker(StorageTracker):
         elif self._group is not None and self.unexpandable is None and _grows(inputs, leaves):
             self.unexpandable = f"{func._schema.name} combines tensors of several blocks into a larger one"
         return [None] * len(leaves)
+
+    def _refuse_growth(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
+        """After the last block (its region runs on to the loss): an op that combines several blocks' tensors
+        into a larger one (a load-balancing loss's ``cat`` of every block's router logits) is refused."""
+        inputs = [leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)]
+        owners = {owner for leaf in inputs for owner in [self._local_block(leaf)] if owner is not None}
+        if len(owners) > 2 and self.unexpandable is None and _grows(inputs, leaves):
+            self.unexpandable = f"{func._schema.name} combines tensors of several blocks into a larger one"
 
     def _local_block(self, tensor: torch.Tensor) -> int | None:
         return next((owner for inner in local_tensors([tensor]) for owner in [self._data_block(inner)]
