@@ -36,6 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memfit.quiet import quiet_imports
+
 BUILD_VALUE_NUMEL = 1 << 16
 """Largest result (elements) that keeps its values while a model is built: drop-path schedules and position
 tables; bigger ones are plain fake tensors, as before."""
@@ -88,3 +90,15 @@ def _from_numbers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return (not any(isinstance(value, torch.Tensor) for value in (*args, *kwargs.values()))
             and "out" not in kwargs and not kwargs.get("requires_grad", False)
             and (device is None or torch.device(device).type == "cpu"))
+
+
+@contextlib.contextmanager
+def no_init_weights() -> Any:
+    """Skip weight initialisation (``trunc_normal_`` reads values, which fake tensors do not have)."""
+    quiet_imports()
+    try:
+        from transformers.initialization import no_init_weights as skipped
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights as skipped  # type: ignore[attr-defined,no-redef]
+    with skipped():
+        yield

@@ -93,7 +93,7 @@ def _signatures(spec: ModelSpec, task: str) -> list[tuple[object, ...]] | None:
     key = (json.dumps(spec.hf_config.to_dict(), sort_keys=True, default=str), task)
     if key not in _SIGNATURES:
         from memfit.build import build_base
-        from memfit.memory.estimate import no_init_weights
+        from memfit.memory.build_values import no_init_weights
 
         with torch.device("meta"), no_init_weights():
             model = build_base(spec, seed=0, label_names=["0", "1"], pad_token_id=0, task=task)

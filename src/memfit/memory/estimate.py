@@ -56,7 +56,7 @@ from memfit.data.packing import packing_problems
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
-from memfit.memory.build_values import BuildValuesFakeMode
+from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.depth import DepthCut, depth_cut
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.mask_values import known_eos, known_masks
@@ -84,7 +84,7 @@ from memfit.models import (
     with_depth,
     with_image_size,
 )
-from memfit.quiet import quiet_imports, quiet_transformers, raised_loggers
+from memfit.quiet import quiet_transformers, raised_loggers
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
 from memfit.support import architecture_problems, model_support
 from memfit.techniques.bf16_true import KAHAN_STATE
@@ -268,18 +268,8 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     traced_micro_steps = sum(len(window) for window in trace.windows)
     # fake tensors log each op they cannot run; the one line that follows says it once
     with model_support(trace.spec.hf_config), raised_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
-        shortened: _Shortened | str = "full trace" if exact_trace or execute else \
-            _shortened(config, trace, strategy)
-        run = None
-        if isinstance(shortened, _Shortened):
-            try:
-                run = _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels)
-            except NotRepeating as reason:
-                shortened = f"full trace: {reason}"
-        if run is None:
-            run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops,
-                               num_labels=num_labels)
-            run.how = shortened if isinstance(shortened, str) else "full trace"
+        run = _run(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels,
+                   exact_trace=exact_trace)
     tracker, profile = run.tracker, trace.profile
     extra = run.scaler_bytes + run.workspace_bytes
     peak = tracker.peak_bytes + extra
@@ -332,6 +322,20 @@ class _Shortened:
     depth: DepthCut | None
     windows: list[Repeat]
     how: str
+
+
+def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: bool, count_flops: bool,
+         num_labels: int, exact_trace: bool) -> _TracedRun:
+    """The shortened trace replayed where the step repeats, else the full trace (saying why)."""
+    shortened = "full trace" if exact_trace or execute else _shortened(config, trace, strategy)
+    if isinstance(shortened, _Shortened):
+        try:
+            return _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels)
+        except NotRepeating as reason:
+            shortened = f"full trace: {reason}"
+    run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels)
+    run.how = shortened
+    return run
 
 
 def _shortened(config: TrainConfig, trace: TraceInputs, strategy: str) -> _Shortened | str:
@@ -675,15 +679,3 @@ def label_gradients(tracker: StorageTracker, trained: list[torch.nn.Parameter]) 
     for parameter in trained:
         parameter.register_post_accumulate_grad_hook(
             lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
-
-
-@contextlib.contextmanager
-def no_init_weights() -> Any:
-    """Skip weight initialisation (``trunc_normal_`` reads values, which fake tensors do not have)."""
-    quiet_imports()
-    try:
-        from transformers.initialization import no_init_weights as skipped
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights as skipped  # type: ignore[attr-defined,no-redef]
-    with skipped():
-        yield
