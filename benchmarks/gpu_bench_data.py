@@ -13,7 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-from memfit.models import PRESET_CONFIGS
+from memfit.presets import PRESET_CONFIGS
 
 GOOD = ["great", "wonderful", "moving", "sharp", "funny", "brilliant", "warm"]
 BAD = ["dull", "boring", "tedious", "flat", "messy", "weak", "lifeless"]

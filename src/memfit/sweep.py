@@ -142,7 +142,9 @@ def _one(name: str, root: Path, estimate: Any) -> SweepRow:
                                effective_batch=2, max_length=16, precision="fp32")
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            result = estimate(train_config, seq_len=16, image_size=None)
+            # one optimizer step: what an architecture's code can refuse runs in it (forward, backward, the
+            # step); the second step of memfit estimate repeats the same code with the state in place
+            result = estimate(train_config, seq_len=16, image_size=None, steps=1)
     except MemfitError as error:
         problem = _plain_forward_problem(config, task)
         if problem is not None:

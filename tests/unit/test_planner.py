@@ -326,7 +326,8 @@ def test_a_lora_that_fits_only_in_16_bits_is_planned(tmp_path: Path) -> None:
     model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 256, "intermediate_size": 512})
     config = TrainConfig(model=str(model), max_length=16, effective_batch=2, task="causal-lm")
     traces: dict[Any, Estimate] = {}
-    probe = plan(config, device="4090", budget="1MiB", seq_len=16, cache=traces, lora_rank=4)
+    probe = plan(config, device="4090", budget="1MiB", seq_len=16, cache=traces, lora_rank=4,
+                 allow=Allowed(lora=True), suggest=False)  # LoRA's least need, nothing else
     needs: dict[str, int] = {}
     for candidate in probe.candidates:
         if candidate.exact and candidate.family.technique == "lora":
@@ -335,6 +336,25 @@ def test_a_lora_that_fits_only_in_16_bits_is_planned(tmp_path: Path) -> None:
     assert needs["bf16"] < needs["fp32"]
     between = (needs["bf16"] + needs["fp32"]) // 2
     made = plan(config, device="4090", budget=int(between / 0.95), seq_len=16, cache=traces, lora_rank=4,
-                allow=Allowed(lora=True))
+                allow=Allowed(lora=True), suggest=False)
     assert made.chosen is not None and made.chosen.family.technique == "lora"
     assert made.chosen.family.precision in ("bf16", "fp16")
+
+
+def test_where_the_weights_alone_do_not_fit_only_the_least_need_is_traced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's fp32 weights, gradients and AdamW state exceed the budget: the least any full fine-tuning needs
+    (full checkpointing, micro-batch 1, each precision) is traced first, and as it does not fit no family is
+    searched. The answer is the one the whole search gives, from fewer traces."""
+    import memfit.planner.choose as choose
+    from tests.conftest import write_tiny_llm
+
+    config = TrainConfig(model=str(write_tiny_llm(tmp_path / "llm")), max_length=16, effective_batch=2,
+                         task="causal-lm")
+    quick = plan(config, device="cpu", budget=300_000, seq_len=16, suggest=False)
+    monkeypatch.setattr(choose, "_states_exceed", lambda *args: False)
+    searched = plan(config, device="cpu", budget=300_000, seq_len=16, suggest=False)
+    assert quick.chosen is None and searched.chosen is None
+    assert quick.verdict == searched.verdict and "the smallest any allowed setup needs" in quick.verdict
+    assert quick.traces < searched.traces / 3
+    assert {c.family.checkpointing for c in quick.candidates} == {"full"}

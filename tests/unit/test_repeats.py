@@ -62,6 +62,8 @@ GRID = [
     ("llama", "cpu", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "checkpointing": "full"},
      "5 of 6 blocks"),
     ("llama", "1080ti", {"task": "causal-lm", "optimizer": "adamw8bit", "precision": "fp16"}, "5 of 6 blocks"),
+    ("llama", "cpu", {"task": "causal-lm", "fused": False, "foreach": False, "checkpointing": "full",
+                      "effective_batch": 4, "micro_batch_size": 1}, "5 of 6 blocks"),  # a loop's step, per parameter
     ("llama", "4090", {"task": "causal-lm", "loss_chunk": 4, "effective_batch": 6, "micro_batch_size": 1,
                        "lora_rank": 4, "precision": "bf16"}, "8 of 12 micro-steps"),
     ("llama", "4090", {"task": "causal-lm", "optimizer_in_backward": True, "precision": "bf16",

@@ -211,10 +211,11 @@ def test_lora_adapts_the_decoder_blocks_too_and_train_top_layers_is_refused(tmp_
 def test_a_plan_that_fits_nothing_says_what_each_opt_in_would_need(tmp_path: Path) -> None:
     """Freezing the top layers does not apply to an encoder-decoder: said among the advice, the plan goes on."""
     from memfit.planner import plan
+    from memfit.planner.allowed import Allowed
 
     model_dir = save_model(tmp_path / "t5", "t5")
     made = plan(TrainConfig(model=str(model_dir), task="seq2seq", max_length=32, effective_batch=8), device="cpu",
-                budget="1MiB", seq_len=32)
+                budget="1MiB", seq_len=32, allow=Allowed(freeze=True, qlora=True), suggest=False)
     assert made.chosen is None
     assert "--allow-freeze (top-1) does not apply: --train-top-layers counts one stack" in made.verdict
     assert "--allow-qlora (r=16)" in made.verdict  # T5's "wo" kept in fp32, as transformers' 4-bit loading keeps it

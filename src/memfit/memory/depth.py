@@ -84,14 +84,21 @@ def _period(signatures: list[tuple[object, ...]], every: int) -> tuple[int, int]
     return None
 
 
-_SIGNATURES: dict[tuple[str, str], list[tuple[object, ...]] | None] = {}
-"""Block structures per (config, task): a plan asks for the same model's many times."""
+@dataclass(frozen=True, slots=True)
+class _Structure:
+    signatures: list[tuple[object, ...]] | None
+    """Each block's :func:`_signature`; ``None`` without a list of blocks."""
+    parameters: int
 
 
-def _signatures(spec: ModelSpec, task: str) -> list[tuple[object, ...]] | None:
-    """Each block's :func:`_signature`, from the model built on the ``meta`` device; ``None`` without blocks."""
+_STRUCTURES: dict[tuple[str, str], _Structure] = {}
+"""Model structures per (config, task): a plan asks for the same model's many times."""
+
+
+def _structure(spec: ModelSpec, task: str) -> _Structure:
+    """The model built on the ``meta`` device (no memory, about a second for an 8B model), read once."""
     key = (json.dumps(spec.hf_config.to_dict(), sort_keys=True, default=str), task)
-    if key not in _SIGNATURES:
+    if key not in _STRUCTURES:
         from memfit.build import build_base
         from memfit.memory.build_values import no_init_weights
 
@@ -101,10 +108,20 @@ def _signatures(spec: ModelSpec, task: str) -> list[tuple[object, ...]] | None:
             blocks: list[nn.Module] | None = list(transformer_layers(model))
         except ConfigError:  # no list of repeated blocks at all
             blocks = None
-        if len(_SIGNATURES) > MAX_CACHED:
-            _SIGNATURES.clear()
-        _SIGNATURES[key] = None if blocks is None else [_signature(block) for block in blocks]
-    return _SIGNATURES[key]
+        if len(_STRUCTURES) > MAX_CACHED:
+            _STRUCTURES.clear()
+        _STRUCTURES[key] = _Structure(signatures=None if blocks is None else [_signature(b) for b in blocks],
+                                      parameters=sum(p.numel() for p in model.parameters()))
+    return _STRUCTURES[key]
+
+
+def _signatures(spec: ModelSpec, task: str) -> list[tuple[object, ...]] | None:
+    return _structure(spec, task).signatures
+
+
+def parameter_count(spec: ModelSpec, task: str) -> int:
+    """The parameters of ``spec``'s model for ``task`` (its head included), counted on the ``meta`` device."""
+    return _structure(spec, task).parameters
 
 
 def _signature(block: nn.Module) -> tuple[object, ...]:

@@ -278,7 +278,10 @@ class RecordingTracker(StorageTracker):
     def _release(self, key: Hashable) -> None:
         if key in self._sizes:
             serial = self._serials.pop(key)
-            self.events.append(("f", serial, 0, None, *self._owners_of(serial), 0, None))
+            block, micro = self._owners_of(serial)
+            if self.block is None and self._phase == "optimizer":  # a loop's step frees the last parameter's
+                block = self._op_block  # temporaries while it works on the next one's: the free is the next one's
+            self.events.append(("f", serial, 0, None, block, micro, 0, None))
         super()._release(key)
 
     def _release_host(self, key: Hashable) -> None:

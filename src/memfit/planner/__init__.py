@@ -59,7 +59,10 @@ On a card whose fp16 rate equals its fp32 rate (Pascal), fp16 only adds cast ops
 never for speed. Search: families (precision x checkpointing x optimizer implementation) are traced in the
 order of their best possible speed (a bound from what was traced so far); a family that cannot beat the
 best fitting setup at any micro-batch is not traced. The chosen setup and the runner-up are confirmed with
-exact traces, as is any faster setup whose line comes within ``BAND`` of the budget.
+exact traces, as is any faster setup whose line comes within ``BAND`` of the budget. Where every parameter's fp32
+weight, gradient and optimizer state alone exceed the budget (an 8B model on an 11 GiB card), the least that full
+fine-tuning needs (full checkpointing, the loss in chunks, micro-batch 1, at each precision) is traced first, and
+when it does not fit no family is searched: every other setup keeps at least as much.
 
 What only a GPU can confirm: EFFICIENCY and τ are typical eager-mode figures, not measured per card; the
 ranking depends on their ratio, the memory side does not. QLoRA's dequantisation is priced as memory traffic

@@ -15,7 +15,9 @@ from memfit.build import Prepared
 from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, NothingFits, Problems
+from memfit.memory.depth import parameter_count
 from memfit.memory.estimate import Estimate, prepare_trace
+from memfit.models import ModelSpec
 from memfit.planner.allowed import NOTHING, Advice, Allowed
 from memfit.planner.families import (
     CHECKPOINTING,
@@ -74,7 +76,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     named = planned_precisions(profile) if precisions else profile.precisions()  # bf16-true: named, or opted in
     chosen_precisions = tuple(sorted((p for p in named if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
-    chosen, smallest = _neutral(search, base, profile, chosen_precisions, inputs.task)
+    chosen, smallest = _neutral(search, base, profile, chosen_precisions, spec, inputs.task)
     advice: list[Advice] = []
     if chosen is None:
         chosen, advice = opt_ins(search, smallest, spec.num_layers, allow, suggest=suggest, task=inputs.task)
@@ -96,9 +98,11 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
 
 
 def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisions: tuple[str, ...],
-             task: str) -> tuple[Candidate | None, Candidate | None]:
+             spec: ModelSpec, task: str) -> tuple[Candidate | None, Candidate | None]:
     """(the fastest accuracy-neutral setup that fits, or ``None``; when none does, the least any needs, with
-    the leanest optimizer step)."""
+    the leanest optimizer step). Where the model's weights, gradients and optimizer state alone exceed the
+    budget, the least need (every precision, full checkpointing, micro-batch 1) is traced first: when it does
+    not fit, no other setup does (each keeps at least as much), and the families are not searched."""
     def kahan(precision: str) -> bool:
         return uses_kahan(base.kahan, precision=precision, optimizer=base.optimizer)
 
@@ -109,11 +113,15 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
                offload_optimizer=base.offload_optimizer, offload_activations=base.offload_activations,
                packing=base.packing)
         for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
-    search.search(neutral)
-    chosen = search.best(confirmed=True)
-    if chosen is not None:
-        return chosen, None
-    smallest = search.smallest(neutral)
+    smallest = None
+    if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
+        smallest = _least_need(search, neutral)
+    if smallest is None or smallest.fits:
+        search.search(neutral)
+        chosen = search.best(confirmed=True)
+        if chosen is not None:
+            return chosen, None
+        smallest = search.smallest(neutral)
     if smallest.fits:
         # micro-batch 1 fits where the family's line said none would (a line through larger micro-batches
         # misjudges the small ones; most with a chunked loss): its larger micro-batches, traced while they fit
@@ -265,7 +273,8 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
                    lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
         try:
-            need = _least_need(search, families, optimizers[-1], profile)
+            need = _least_need(search, [dataclasses.replace(family, optimizer=optimizers[-1], kernels=default_kernels(
+                optimizers[-1], "none", profile)) for family in families])
         except ConfigError as error:  # an architecture the technique does not reach: advice, not the plan's end
             advice.append(Advice(f"{flag} does not apply: {error.problems[0]}"))
             continue
@@ -280,15 +289,33 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
     return None
 
 
-def _least_need(search: Search, families: list[Family], optimizer: str, profile: DeviceProfile) -> Candidate:
-    """The least an adapter technique needs: micro-batch 1 of its leanest setup (the last family of each
+def _least_need(search: Search, families: list[Family]) -> Candidate:
+    """The least ``families`` need: the least micro-batch of their leanest setup (the last family of each
     precision: full checkpointing, the loss in chunks where a causal LM allows it), traced at every precision
     and the smallest taken. The slowest precision is not the leanest: a LoRA base stored in 16 bits needs less
-    than in fp32, so a LoRA that fits only in 16 bits is searched, not reported as not fitting."""
+    than in fp32, so a LoRA that fits only in 16 bits is searched, not reported as not fitting; fp32 keeps no
+    16-bit copies of the weights, which autocast does."""
     leanest = {family.precision: family for family in families}  # the last family of each precision
-    return min((search.exact_candidate(dataclasses.replace(family, optimizer=optimizer, kernels=default_kernels(
-        optimizer, "none", profile)), 1) for family in leanest.values()),
-        key=lambda candidate: candidate.predicted_peak_bytes or 0)
+    return min((search.exact_candidate(family, search.least_micro(family)) for family in leanest.values()),
+               key=lambda candidate: candidate.predicted_peak_bytes or 0)
+
+
+STATE_BYTES = {"adamw": 8, "adamw8bit": 2}
+"""Optimizer state per trained parameter on the card, for :func:`_states_exceed` (none counted otherwise)."""
+
+
+def _states_exceed(search: Search, base: TrainConfig, spec: ModelSpec, task: str) -> bool:
+    """Whether every parameter's fp32 weight, gradient and optimizer state alone, with the card's memory outside
+    PyTorch, exceed the usable budget (decides only what the planner traces first, never whether a setup fits)."""
+    if base.world_size > 1 or base.lora_rank or base.freeze_embeddings or base.train_top_layers \
+            or base.offload_optimizer:
+        return False
+    try:
+        parameters = parameter_count(spec, task)
+    except (ConfigError, RuntimeError, NotImplementedError, ValueError):  # no meta build: search as usual
+        return False
+    needs = parameters * (8 + STATE_BYTES.get(base.optimizer, 0)) + search.profile.non_pytorch_bytes
+    return needs > search.usable
 
 
 def adapter_problem(technique: str, profile: DeviceProfile) -> str | None:
