@@ -36,6 +36,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     deep = {"vocab_size": 64, "num_hidden_layers": 6}  # a copy of 5 blocks and one copied: the least that shows it
     return {
         "llama": write_model_dir(root / "llama", {**TINY_LLAMA, **deep}),
+        "llama12": write_model_dir(root / "llama12", {**TINY_LLAMA, **deep, "num_hidden_layers": 12}),
         "bert": write_model_dir(root / "bert", {**TINY_BERT, **deep}),
         "vit": write_model_dir(root / "vit", {**TINY_VIT, "num_hidden_layers": 6}),
         "qwen3_moe": write_model_dir(root / "moe", {**TINY_LLAMA, **TINY_MOE["qwen3_moe"], **deep}),
@@ -73,6 +74,9 @@ GRID = [
      "full trace: FSDP"),
     ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"},
      "full trace: the offloaded optimizer"),
+    ("llama12", "cpu", {"task": "causal-lm", "train_top_layers": 6}, "10 of 12 blocks"),  # frozen and trained
+    ("llama12", "4090", {"task": "causal-lm", "train_top_layers": 3, "lora_rank": 4, "precision": "bf16",
+                         "checkpointing": "full"}, "8 of 12 blocks"),  # the trained run too short to cut
     ("bert", "1080ti", {"effective_batch": 14, "micro_batch_size": 2}, "5 of 6 blocks and 8 of 14 micro-steps"),
     ("bert", "t4", {"precision": "fp16", "checkpointing": "full", "freeze_embeddings": True}, "5 of 6 blocks"),
     ("vit", "1080ti", {"effective_batch": 10, "micro_batch_size": 2, "precision": "fp16"}, "5 of 6 blocks"),

@@ -5,7 +5,8 @@ model's blocks really repeat: every block of the full-depth model must have the 
 their settings, parameter shapes) of the block of the copy it is replayed from. The structure is read from
 the model built on the ``meta`` device (no memory, about a second for an 8B model; kept per config). Blocks
 checkpointed every N-th repeat with a period of N blocks; a different first block (DeepSeek's dense first
-layers) moves the repeating part up. Blocks that alternate in kind (Gemma-2's and gpt-oss's sliding and full
+layers) moves the repeating part up. With the top K blocks trained and the rest frozen, each of the two runs is
+cut and copied on its own (two groups). Blocks that alternate in kind (Gemma-2's and gpt-oss's sliding and full
 attention) are traced in full.
 """
 
@@ -34,10 +35,19 @@ SETTINGS = (int, float, str, bool, type(None), tuple)
 
 @dataclass(frozen=True, slots=True)
 class DepthCut:
-    """Trace ``layers`` blocks; ``repeat`` says which group is copied to reach the model's depth."""
+    """Trace ``layers`` blocks; ``repeats`` say which groups are copied to reach the model's depth (the highest
+    first: each expansion renumbers only the blocks above its group); ``train_top_layers``: the copy's own
+    number of trained top blocks (where the model's top blocks train and the rest are frozen)."""
 
     layers: int
-    repeat: Repeat
+    repeats: tuple[Repeat, ...]
+    train_top_layers: int | None = None
+
+    def renumbered(self, owner: int) -> int:
+        """The full model's block of the copy's block ``owner`` (the first of its copies)."""
+        for repeat in self.repeats:
+            owner = repeat.renumbered(owner) or 0
+        return owner
 
 
 def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str | None:
@@ -45,8 +55,6 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
     (``None``: it is too shallow for a copy to be shallower)."""
     if is_encoder_decoder(spec):
         return "an encoder-decoder's two stacks of blocks are traced in full"
-    if config.train_top_layers:
-        return "with --train-top-layers the blocks differ (frozen or trained)"
     if spec.num_layers < MIN_LAYERS:
         return None
     if _layer_count(spec.hf_config) is None:
@@ -60,18 +68,47 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
     if structure[1] > 1:  # checked on Gemma-2, but gpt-oss's alternating blocks replay 1 KiB short: not yet
         return "the model's blocks alternate in kind"
     every = config.checkpoint_every if config.checkpointing == "every-n" else 1
-    offset, period = structure[0], every
+    if config.train_top_layers:
+        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every)
+    else:
+        cut = _uniform(spec.num_layers, offset=structure[0], period=every)
+    if not isinstance(cut, DepthCut):
+        return cut
+    short = _signatures(with_depth(spec, cut.layers), task)
+    if short is None or [full[cut.renumbered(i + 1) - 1] for i in range(cut.layers)] != short:
+        return f"a copy of {cut.layers} blocks does not have the model's blocks"
+    return cut
+
+
+def _uniform(num_layers: int, *, offset: int, period: int) -> DepthCut | None:
     first = offset + period + 2  # a first block may differ (its input), then a whole period, then the groups
     last = first + 2 * period - 1
-    layers = last + 1 + (spec.num_layers - last - 1) % period
-    copies = (spec.num_layers - layers) // period
+    layers = last + 1 + (num_layers - last - 1) % period
+    copies = (num_layers - layers) // period
     if copies < 1:
         return None
-    repeat = Repeat(first=first, period=period, copies=copies)
-    short = _signatures(with_depth(spec, layers), task)
-    if short is None or [full[(repeat.renumbered(i + 1) or 0) - 1] for i in range(layers)] != short:
-        return f"a copy of {layers} blocks does not have the model's blocks"
-    return DepthCut(layers=layers, repeat=repeat)
+    return DepthCut(layers=layers, repeats=(Repeat(first=first, period=period, copies=copies),))
+
+
+REGION = 5
+"""Blocks a copy keeps of a run of frozen or of trained blocks: its first, one before the groups, the two groups
+(the second is copied), one after."""
+
+
+def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int) -> DepthCut | str | None:
+    """``--train-top-layers``: the frozen blocks and the trained ones above them, each run cut to
+    :data:`REGION` blocks and its fourth copied to the run's length."""
+    if offset or every > 1:
+        return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
+    frozen = num_layers - trained
+    if frozen < 1:  # every block trains: the model's own depth cut
+        return _uniform(num_layers, offset=0, period=1)
+    kept_frozen, kept_trained = min(frozen, REGION), min(trained, REGION)
+    repeats = [Repeat(first=kept_frozen + 3, period=1, copies=trained - REGION)] if trained > REGION else []
+    repeats += [Repeat(first=3, period=1, copies=frozen - REGION)] if frozen > REGION else []
+    if not repeats:
+        return None
+    return DepthCut(layers=kept_frozen + kept_trained, repeats=tuple(repeats), train_top_layers=kept_trained)
 
 
 def _period(signatures: list[tuple[object, ...]], every: int) -> tuple[int, int] | None:

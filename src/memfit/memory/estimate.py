@@ -319,6 +319,8 @@ class _Shortened:
     """A trace of ``trace`` (a copy of ``depth.layers`` blocks, shortened windows) to replay at full length."""
 
     trace: TraceInputs
+    config: TrainConfig
+    """The run's config for the copy (its own number of trained top blocks)."""
     depth: DepthCut | None
     windows: list[Repeat]
     how: str
@@ -357,23 +359,26 @@ def _shortened(config: TrainConfig, trace: TraceInputs, strategy: str) -> _Short
     if isinstance(depth, DepthCut):
         spec = with_depth(spec, depth.layers)
         parts.append(f"{depth.layers} of {trace.spec.num_layers} blocks")
+        if depth.train_top_layers is not None:
+            config = dataclasses.replace(config, train_top_layers=depth.train_top_layers)
     if windows:
         parts.append(f"{sum(len(w) for w in short_windows)} of {sum(len(w) for w in trace.windows)} micro-steps")
     how = " and ".join(parts) + " traced, the rest replayed"
     if isinstance(depth, str):
         how += f" (all blocks: {depth})"
     short = dataclasses.replace(trace, spec=spec, windows=short_windows, window_items=list(trace.window_items))
-    return _Shortened(trace=short, depth=depth if isinstance(depth, DepthCut) else None, windows=windows, how=how)
+    return _Shortened(trace=short, config=config, depth=depth if isinstance(depth, DepthCut) else None,
+                      windows=windows, how=how)
 
 
 def _replayed(config: TrainConfig, shortened: _Shortened, strategy: str, *, count_flops: bool,
               num_labels: int) -> _TracedRun:
     """Trace the shortened step with a recording tracker, expand its record to the full step and replay it
     through the accounting a full trace would have run (:mod:`memfit.memory.repeats`)."""
-    blocks = shortened.depth.repeat if shortened.depth is not None else None
-    recorder = RecordingTracker(count_flops=count_flops, group=blocks)
+    blocks = shortened.depth.repeats if shortened.depth is not None else ()
+    recorder = RecordingTracker(count_flops=count_flops, groups=blocks)
     try:
-        run = _trace_steps(config, shortened.trace, strategy, execute=False, count_flops=count_flops,
+        run = _trace_steps(shortened.config, shortened.trace, strategy, execute=False, count_flops=count_flops,
                            num_labels=num_labels, recorder=recorder)
     finally:  # its storages' finalizers hold the recorder: it must not hold the model's blocks in turn
         recorder.blocks = []
@@ -382,14 +387,14 @@ def _replayed(config: TrainConfig, shortened: _Shortened, strategy: str, *, coun
     events = recorder.events
     for window in shortened.windows:
         events = expand(events, MICRO, window)
-    if blocks is not None:
-        events = expand(events, BLOCK, blocks)
+    for group in blocks:  # the highest first: each renumbers only the blocks above it
+        events = expand(events, BLOCK, group)
     tracker = StorageTracker(allocator=run.allocator)
     replay(events, tracker)
     phases = {key[2] for key in recorder.ops if key[2] is not None}
     per_block = recorder.block_parameters
-    grown = [sum(per_block[owner - 1][i] for owner in range(blocks.first + blocks.period, blocks.last + 1))
-             * blocks.copies if blocks is not None else 0 for i in (0, 1)]
+    grown = [sum(sum(per_block[owner - 1][i] for owner in range(group.first + group.period, group.last + 1))
+                 * group.copies for group in blocks) for i in (0, 1)]
     return dataclasses.replace(
         run, tracker=tracker, ops=scaled(recorder.ops, blocks, shortened.windows),
         phase_ops={phase: scaled(Counter({k: v for k, v in recorder.ops.items() if k[2] == phase}), blocks,

@@ -33,6 +33,7 @@ windows of 16 micro-steps on a CUDA target), against tens of microseconds per op
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -44,11 +45,12 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.memory.tracker import StorageTracker, local_tensors
 
-Event = tuple[str, Hashable, int, Any, int | None, int | None, int, Hashable]
+Event = tuple[str, Hashable, int, Any, int | None, int | None, tuple[int, ...] | int, Hashable]
 """(kind, storage, bytes, label, block, micro-step, extra bytes, place). Kinds: ``a`` allocate (label: the
 category), ``f`` free, ``r`` relabel (label: the new category), ``p``/``q`` enter/leave a phase (label: the
-phase entered, or the one returned to), ``h``/``g`` allocate/free on the host. ``place``: where in its owner's
-sequence an allocation is (made while the block ran, or from its tensors; the phase)."""
+phase entered, or the one returned to), ``h``/``g`` allocate/free on the host. ``extra``: 0, or a stack/cat's
+growth per copied group of blocks. ``place``: where in its owner's sequence an allocation is (made while the
+block ran, or from its tensors; the phase)."""
 BLOCK, MICRO = 4, 5
 """The positions of the two owners in an :class:`Event`."""
 WINDOW_STRIDE = 1000
@@ -91,9 +93,10 @@ class Repeat:
 
 class RecordingTracker(StorageTracker):
     """A :class:`StorageTracker` that also writes down every event with its owners (no allocator: the replay
-    models it). ``group``: the blocks whose copies a ``stack``/``cat`` of several blocks' tensors grows by."""
+    models it). ``groups``: the blocks whose copies a ``stack``/``cat`` of several blocks' tensors grows by (its
+    output's extra bytes: each group's share, in the order the groups are expanded)."""
 
-    def __init__(self, *, count_flops: bool, group: Repeat | None) -> None:
+    def __init__(self, *, count_flops: bool, groups: tuple[Repeat, ...]) -> None:
         super().__init__(count_flops=count_flops)
         self.events: list[Event] = []
         self.block: int | None = None
@@ -104,7 +107,7 @@ class RecordingTracker(StorageTracker):
         """Ops per (block, micro-step, phase): what the expanded step dispatches, by multiplying."""
         self.flops_by: Counter[tuple[int | None, int | None]] = Counter()
         self.dequantized_by: Counter[tuple[int | None, int | None]] = Counter()
-        self._group = group
+        self._groups = groups
         self.attention_flops: Callable[[], int] | None = None
         """The emulated attention kernels' FLOPs so far (they run no op to count)."""
         self._attention_seen = 0
@@ -116,7 +119,7 @@ class RecordingTracker(StorageTracker):
         self._owners: dict[int, tuple[int | None, int | None]] = {}
         self._param_blocks: dict[int, int] = {}
         self._out_owner: dict[int, int | None] = {}
-        self._extra: dict[int, int] = {}
+        self._extra: dict[int, tuple[int, ...]] = {}
         self._op_block: int | None = None
         self._last_micro: int | None = None
         self._input_block: int | None = None
@@ -179,7 +182,7 @@ class RecordingTracker(StorageTracker):
         self._out_owner.clear()
         if self.block is not None:
             self._op_block = self.block
-            if self.block == len(self.blocks) and self._group is not None and leaves:  # the head and the loss
+            if self.block == len(self.blocks) and self._groups and leaves:  # the head and the loss
                 self._refuse_growth(func, args, leaves)
             return
         owners = self._data_owners(func, args, leaves)
@@ -207,12 +210,12 @@ class RecordingTracker(StorageTracker):
         if not found:
             return [self._sticky] * len(leaves)
         self._sticky = None
-        if leaves and func._schema.name in COMBINING_OPS and self._group is not None:
-            grown = sum(leaf.untyped_storage().nbytes() for leaf in inputs
-                        if self._group.copied(self._local_block(leaf)))
+        if leaves and func._schema.name in COMBINING_OPS and self._groups:
+            grown = tuple(sum(leaf.untyped_storage().nbytes() for leaf in inputs
+                              if group.copied(self._local_block(leaf))) for group in self._groups)
             for tensor in local_tensors(leaves[:1]):
                 self._extra[tensor.untyped_storage()._cdata] = grown
-        elif self._group is not None and self.unexpandable is None and _grows(inputs, leaves):
+        elif self._groups and self.unexpandable is None and _grows(inputs, leaves):
             self.unexpandable = f"{func._schema.name} combines tensors of several blocks into a larger one"
         return [None] * len(leaves)
 
@@ -445,8 +448,8 @@ class _Expansion:
             if storage is not None:
                 storage = self._renamed(storage, owner, new_owner, copy=copy)
             extra = event[6]
-            if axis == BLOCK and extra:  # a stack/cat of every block's tensors: the copies' share too
-                nbytes, extra = nbytes + repeat.copies * extra, 0
+            if axis == BLOCK and isinstance(extra, tuple):  # a stack/cat of every block's tensors: this
+                nbytes, extra = nbytes + repeat.copies * extra[0], (extra[1:] or 0)  # group's copies' share too
             renamed = list(event)
             renamed[1], renamed[2], renamed[axis], renamed[6] = storage, nbytes, new_owner, extra
             out.append(tuple(renamed))
@@ -517,12 +520,12 @@ def _owned_by(event: Event, axis: int, owner: int | None) -> Event:
     return tuple(moved)
 
 
-def scaled(counts: Counter[Any], blocks: Repeat | None, windows: list[Repeat]) -> int:
+def scaled(counts: Counter[Any], blocks: tuple[Repeat, ...], windows: list[Repeat]) -> int:
     """The sum of ``counts`` (keyed by (block, micro-step, ...)) once every copied owner occurs as often as
     the expanded step runs it."""
     def times(key: Any) -> int:
         block, micro = key[0], key[1]
-        factor = blocks.multiplier(block) if blocks is not None else 1
+        factor = math.prod(group.multiplier(block) for group in blocks)
         return factor * next((window.multiplier(micro) for window in windows if window.copied(micro)), 1)
 
     return sum(value * times(key) for key, value in counts.items())
