@@ -358,3 +358,19 @@ def test_where_the_weights_alone_do_not_fit_only_the_least_need_is_traced(
     assert quick.verdict == searched.verdict and "the smallest any allowed setup needs" in quick.verdict
     assert quick.traces < searched.traces / 3
     assert {c.family.checkpointing for c in quick.candidates} == {"full"}
+
+
+def test_an_opt_in_stage_searches_its_setups_without_a_chunked_loss_too() -> None:
+    """A stage built on a least need found with the loss in chunks searches the same setups unchunked as well:
+    the chunks are what the least needs, not what the fastest setup that fits must use."""
+    from memfit.planner.families import CHECKPOINTING, Family
+    from memfit.planner.opt_ins import _unchunked_too
+
+    chunked = [Family(precision="fp32", checkpointing=c, kernels="fused", freeze="embeddings", loss_chunk=256)
+               for c in CHECKPOINTING]
+    searched = _unchunked_too(chunked, TrainConfig(task="causal-lm"), "causal-lm")
+    assert [(f.checkpointing, f.loss_chunk) for f in searched] == [
+        ("none", None), ("every-2", None), ("full", None), ("full", 256)]
+    assert {f.freeze for f in searched} == {"embeddings"}
+    own = TrainConfig(task="causal-lm", loss_chunk=128)  # the run's own chunks stay
+    assert _unchunked_too(chunked, own, "causal-lm") == chunked

@@ -74,6 +74,7 @@ GRID = [
      "full trace: FSDP"),
     ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"},
      "full trace: the offloaded optimizer"),
+    ("llama", "cpu", {"task": "causal-lm", "train_top_layers": 6}, "5 of 6 blocks"),  # every block trained
     ("llama12", "cpu", {"task": "causal-lm", "train_top_layers": 6}, "10 of 12 blocks"),  # frozen and trained
     ("llama12", "4090", {"task": "causal-lm", "train_top_layers": 3, "lora_rank": 4, "precision": "bf16",
                          "checkpointing": "full"}, "8 of 12 blocks"),  # the trained run too short to cut

@@ -12,6 +12,7 @@ attention) are traced in full.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -101,8 +102,9 @@ def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int) -> 
     if offset or every > 1:
         return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
     frozen = num_layers - trained
-    if frozen < 1:  # every block trains: the model's own depth cut
-        return _uniform(num_layers, offset=0, period=1)
+    if frozen < 1:  # every block trains: the model's own depth cut, every block of the copy trained too
+        cut = _uniform(num_layers, offset=0, period=1)
+        return dataclasses.replace(cut, train_top_layers=cut.layers) if cut is not None else None
     kept_frozen, kept_trained = min(frozen, REGION), min(trained, REGION)
     repeats = [Repeat(first=kept_frozen + 3, period=1, copies=trained - REGION)] if trained > REGION else []
     repeats += [Repeat(first=3, period=1, copies=frozen - REGION)] if frozen > REGION else []

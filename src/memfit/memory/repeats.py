@@ -301,7 +301,7 @@ class RecordingTracker(StorageTracker):
     def _enter_phase(self, name: str) -> None:
         self.block = self._sticky = None
         if name == "optimizer":  # the window's micro-steps are over
-            self.micro = self._last_micro = None
+            self.micro = self._last_micro = self._op_block = None
             self._window, self._index = self._window + 1, 0
         self.events.append(("p", None, 0, name, None, self.micro, 0, None))
         super()._enter_phase(name)

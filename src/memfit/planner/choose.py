@@ -101,8 +101,9 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
              spec: ModelSpec, task: str) -> tuple[Candidate | None, Candidate | None]:
     """(the fastest accuracy-neutral setup that fits, or ``None``; when none does, the least any needs, with
     the leanest optimizer step). Where the model's weights, gradients and optimizer state alone exceed the
-    budget, the least need (every precision, full checkpointing, micro-batch 1) is traced first: when it does
-    not fit, no other setup does (each keeps at least as much), and the families are not searched."""
+    budget, the least need (every precision, full checkpointing, with and without a chunked loss, micro-batch
+    1) is traced first: when it does not fit, no other setup does (each keeps at least as much), and the
+    families are not searched."""
     def kahan(precision: str) -> bool:
         return uses_kahan(base.kahan, precision=precision, optimizer=base.optimizer)
 
@@ -115,7 +116,8 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
         for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
     smallest = None
     if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
-        smallest = _least_need(search, neutral)
+        smallest = min((search.exact_candidate(family, search.least_micro(family)) for family in neutral
+                        if family.checkpointing == "full"), key=lambda candidate: candidate.predicted_peak_bytes or 0)
     if smallest is None or smallest.fits:
         search.search(neutral)
         chosen = search.best(confirmed=True)
@@ -312,7 +314,7 @@ def _states_exceed(search: Search, base: TrainConfig, spec: ModelSpec, task: str
         return False
     try:
         parameters = parameter_count(spec, task)
-    except (ConfigError, RuntimeError, NotImplementedError, ValueError):  # no meta build: search as usual
+    except Exception:  # an architecture that cannot be built on the meta device: searched as usual
         return False
     needs = parameters * (8 + STATE_BYTES.get(base.optimizer, 0)) + search.profile.non_pytorch_bytes
     return needs > search.usable

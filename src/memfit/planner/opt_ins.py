@@ -26,6 +26,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.planner.allowed import Advice, Allowed
@@ -134,7 +135,7 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
             continue
         advice.append(need)
         if need.fits and stage.allowed:
-            search.search(families)
+            search.search(_unchunked_too(families, search.base, task))
             chosen = search.best(confirmed=True, where=lambda family: allow.permits(family.opt_ins))
             if chosen is not None:
                 return chosen, advice
@@ -182,3 +183,12 @@ def bitsandbytes_problem(profile: DeviceProfile) -> str | None:
         return (f"bitsandbytes' CUDA kernels need compute capability 6.0 or newer; {profile.description} has "
                 f"{capability[0]}.{capability[1]}")
     return None
+
+
+def _unchunked_too(families: list[Family], base: TrainConfig, task: str) -> list[Family]:
+    """The families a stage searches: each checkpointing without a chunked loss too (a least need found with
+    the loss in chunks says nothing of which setup is fastest)."""
+    if base.loss_chunk is not None:
+        return families
+    plain = [dataclasses.replace(family, loss_chunk=None) for family in families]
+    return with_chunked_loss(list(dict.fromkeys(plain)), base, task)
