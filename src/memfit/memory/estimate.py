@@ -22,8 +22,8 @@ One rank of N (``distributed``/``world_size``): FSDP2 is traced for real over a 
 ranks (:func:`memfit.distributed.fake_world`; the mesh is made before the fake mode), with the engine's
 no-sync micro-steps; collectives complete at once there, so a real reduce-scatter that finishes late can keep
 up to one layer's buffer longer than the trace. DDP cannot be built on fake tensors: its persistent gradient
-buckets are modelled (:class:`DdpBuckets`). On CPU both equal a 2-process gloo run's per-rank tracked peak
-(DDP to the byte, FSDP to 8 bytes; tests/integration/test_distributed.py).
+buckets are modelled (:class:`~memfit.memory.ddp_buckets.DdpBuckets`). On CPU both equal a 2-process gloo
+run's per-rank tracked peak (DDP to the byte, FSDP to 8 bytes; tests/integration/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,7 @@ from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
-from memfit.memory.depth import DepthCut, depth_cut
+from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.moe import GroupedMatmulShapes
@@ -65,15 +65,15 @@ from memfit.memory.norm_stats import NormStatsDtypes
 from memfit.memory.repeats import (
     BLOCK,
     MICRO,
-    WINDOW_STRIDE,
     NotRepeating,
     RecordingTracker,
-    Repeat,
     expand,
     replay,
     scaled,
 )
+from memfit.memory.shortened import Shortened, shortened_trace
 from memfit.memory.synthetic import TRACE_PAD, encoder_decoder_batch, shape_problems, synthetic_batch
+from memfit.memory.trace_inputs import TraceInputs
 from memfit.memory.tracker import StorageTracker
 from memfit.models import (
     ModelSpec,
@@ -170,21 +170,6 @@ class Estimate(StepPeak):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass(kw_only=True, slots=True)
-class TraceInputs:
-    """What a traced (or measured) step runs on, validated: the architecture without weights, the precision
-    resolved for the target, and ``steps`` windows of synthetic host batches at full length."""
-
-    profile: DeviceProfile
-    spec: ModelSpec
-    precision: str
-    sequence_length: int | None
-    image_size: int | None
-    windows: list[list[Batch]]
-    window_items: list[int]
-    task: str = "classification"
 
 
 def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
@@ -314,23 +299,11 @@ class _TracedRun:
     how: str = "full trace"
 
 
-@dataclass(kw_only=True, slots=True)
-class _Shortened:
-    """A trace of ``trace`` (a copy of ``depth.layers`` blocks, shortened windows) to replay at full length."""
-
-    trace: TraceInputs
-    config: TrainConfig
-    """The run's config for the copy (its own number of trained top blocks)."""
-    depth: DepthCut | None
-    windows: list[Repeat]
-    how: str
-
-
 def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: bool, count_flops: bool,
          num_labels: int, exact_trace: bool) -> _TracedRun:
     """The shortened trace replayed where the step repeats, else the full trace (saying why)."""
-    shortened = "full trace" if exact_trace or execute else _shortened(config, trace, strategy)
-    if isinstance(shortened, _Shortened):
+    shortened = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy)
+    if isinstance(shortened, Shortened):
         try:
             return _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels)
         except NotRepeating as reason:
@@ -340,38 +313,7 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
     return run
 
 
-def _shortened(config: TrainConfig, trace: TraceInputs, strategy: str) -> _Shortened | str:
-    """The shortened trace that stands for ``trace``, or why the full one runs."""
-    if strategy == "ddp":
-        return "full trace: DDP's gradient buckets group parameters across blocks"
-    if strategy == "fsdp":
-        return "full trace: FSDP's prefetching overlaps neighbouring blocks"
-    if config.offload_optimizer:
-        return "full trace: the offloaded optimizer's host step does not repeat per block"
-    depth = depth_cut(trace.spec, config, trace.task)
-    windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
-                      limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]
-    if not isinstance(depth, DepthCut) and not windows:
-        return "full trace" if depth is None else f"full trace: {depth}"
-    short_windows = [window[:3] + window[-1:] if len(window) > 4 else window for window in trace.windows]
-    parts = []
-    spec = trace.spec
-    if isinstance(depth, DepthCut):
-        spec = with_depth(spec, depth.layers)
-        parts.append(f"{depth.layers} of {trace.spec.num_layers} blocks")
-        if depth.train_top_layers is not None:
-            config = dataclasses.replace(config, train_top_layers=depth.train_top_layers)
-    if windows:
-        parts.append(f"{sum(len(w) for w in short_windows)} of {sum(len(w) for w in trace.windows)} micro-steps")
-    how = " and ".join(parts) + " traced, the rest replayed"
-    if isinstance(depth, str):
-        how += f" (all blocks: {depth})"
-    short = dataclasses.replace(trace, spec=spec, windows=short_windows, window_items=list(trace.window_items))
-    return _Shortened(trace=short, config=config, depth=depth if isinstance(depth, DepthCut) else None,
-                      windows=windows, how=how)
-
-
-def _replayed(config: TrainConfig, shortened: _Shortened, strategy: str, *, count_flops: bool,
+def _replayed(config: TrainConfig, shortened: Shortened, strategy: str, *, count_flops: bool,
               num_labels: int) -> _TracedRun:
     """Trace the shortened step with a recording tracker, expand its record to the full step and replay it
     through the accounting a full trace would have run (:mod:`memfit.memory.repeats`)."""
@@ -577,52 +519,6 @@ def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimi
     if host_step_counters:
         tracker.forget([value for key, value in state if key == "step"])
         # (a paged optimizer's big states were made outside the card's count: see run_steps)
-
-
-DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-DDP_BUCKET_BYTES = 25 * 1024 * 1024
-
-
-class DdpBuckets:
-    """Stand-ins for DDP's gradient buckets (``gradient_as_bucket_view``), made before the first step and
-    alive to the end: flat buffers filled in reverse parameter order, the first up to 1 MiB, the others up to
-    25 MiB (DDP's defaults). Micro-steps under ``no_sync()`` accumulate into ordinary ``.grad`` tensors; in the
-    synchronised backward each gradient is copied into its bucket and ``.grad`` becomes the bucket's view, as
-    DDP's reducer does. (DDP itself cannot be built on fake tensors.)"""
-
-    def __init__(self, trained: list[tuple[str, torch.nn.Parameter]], phases: PhaseTracker) -> None:
-        self.synchronising = True
-        groups: list[list[torch.nn.Parameter]] = []
-        cap, filled = DDP_FIRST_BUCKET_BYTES, 0
-        for _, parameter in reversed(trained):
-            if not groups or filled >= cap:
-                cap = DDP_FIRST_BUCKET_BYTES if not groups else DDP_BUCKET_BYTES
-                groups.append([])
-                filled = 0
-            groups[-1].append(parameter)
-            filled += parameter.numel() * parameter.element_size()
-        self.buckets = []
-        for group in groups:
-            bucket = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype)
-            phases.track(bucket, category="gradients")
-            offset = 0
-            for parameter in group:
-                view = bucket.narrow(0, offset, parameter.numel()).view(parameter.shape)
-                parameter.register_post_accumulate_grad_hook(functools.partial(self._into_bucket, view=view))
-                offset += parameter.numel()
-            self.buckets.append(bucket)
-
-    @contextlib.contextmanager
-    def sync(self, enabled: bool) -> Iterator[None]:
-        self.synchronising = enabled
-        yield
-
-    def _into_bucket(self, parameter: torch.Tensor, *, view: torch.Tensor) -> None:
-        grad = parameter.grad
-        if self.synchronising and grad is not None and \
-                grad.untyped_storage()._cdata != view.untyped_storage()._cdata:
-            view.copy_(grad)
-            parameter.grad = view
 
 
 def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int | None = None) -> str:
