@@ -72,8 +72,9 @@ GRID = [
     ("llama", "4090", {"task": "causal-lm", "precision": "bf16-true"}, "5 of 6 blocks"),
     ("llama", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16"},
      "full trace: FSDP"),
-    ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"},
-     "full trace: the offloaded optimizer"),
+    ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"}, "5 of 6 blocks"),
+    ("llama12", "1080ti", {"task": "causal-lm", "offload_optimizer": True, "precision": "fp16", "train_top_layers": 6,
+                           "effective_batch": 12, "micro_batch_size": 2}, "10 of 12 blocks and 8 of 12 micro-steps"),
     ("llama", "cpu", {"task": "causal-lm", "train_top_layers": 6}, "5 of 6 blocks"),  # every block trained
     ("llama12", "cpu", {"task": "causal-lm", "train_top_layers": 6}, "10 of 12 blocks"),  # frozen and trained
     ("llama12", "4090", {"task": "causal-lm", "train_top_layers": 3, "lora_rank": 4, "precision": "bf16",

@@ -33,8 +33,6 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str) -> S
         return "full trace: DDP's gradient buckets group parameters across blocks"
     if strategy == "fsdp":
         return "full trace: FSDP's prefetching overlaps neighbouring blocks"
-    if config.offload_optimizer:
-        return "full trace: the offloaded optimizer's host step does not repeat per block"
     depth = depth_cut(trace.spec, config, trace.task)
     windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
                       limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]

@@ -57,10 +57,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             copies = []
             for parameter in group["params"]:
                 pinned = parameter.is_cuda
-                copy = torch.empty(parameter.shape, dtype=parameter.dtype, pin_memory=pinned)
+                copy = torch.empty_like(parameter, device="cpu", pin_memory=pinned)
                 copy.copy_(parameter.detach())
                 self._copies[parameter] = copy
-                self._grads[parameter] = torch.empty(parameter.shape, dtype=parameter.dtype, pin_memory=pinned)
+                self._grads[parameter] = torch.empty_like(parameter, device="cpu", pin_memory=pinned)
                 copies.append(copy)
             host_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": copies})
         self.host = self._host_optimizer(host_groups)
