@@ -116,8 +116,7 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
         for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
     smallest = None
     if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
-        smallest = min((search.exact_candidate(family, search.least_micro(family)) for family in neutral
-                        if family.checkpointing == "full"), key=lambda candidate: candidate.predicted_peak_bytes or 0)
+        smallest = _least_need(search, neutral)
     if smallest is None or smallest.fits:
         search.search(neutral)
         chosen = search.best(confirmed=True)
@@ -292,13 +291,13 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
 
 
 def _least_need(search: Search, families: list[Family]) -> Candidate:
-    """The least ``families`` need: the least micro-batch of their leanest setup (the last family of each
-    precision: full checkpointing, the loss in chunks where a causal LM allows it), traced at every precision
-    and the smallest taken. The slowest precision is not the leanest: a LoRA base stored in 16 bits needs less
-    than in fp32, so a LoRA that fits only in 16 bits is searched, not reported as not fitting; fp32 keeps no
-    16-bit copies of the weights, which autocast does."""
-    leanest = {family.precision: family for family in families}  # the last family of each precision
-    return min((search.exact_candidate(family, search.least_micro(family)) for family in leanest.values()),
+    """The least ``families`` need: their fully checkpointed setups at the least micro-batch, with and without
+    the loss in chunks (the chunks need more where one sample's logits are small beside the output layer's
+    gradient), traced at every precision and the smallest taken. The slowest precision is not the leanest: a
+    LoRA base stored in 16 bits needs less than in fp32, so a LoRA that fits only in 16 bits is searched, not
+    reported as not fitting; fp32 keeps no 16-bit copies of the weights, which autocast does."""
+    leanest = dict.fromkeys(family for family in families if family.checkpointing == "full")
+    return min((search.exact_candidate(family, search.least_micro(family)) for family in leanest),
                key=lambda candidate: candidate.predicted_peak_bytes or 0)
 
 
