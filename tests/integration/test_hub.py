@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -17,30 +15,10 @@ import transformers
 from memfit import hub
 from memfit.errors import ConfigError
 from tests.conftest import write_pairs, write_tiny_llm
-from tests.helpers import in_process
+from tests.helpers import HUB_COMMIT, in_process, write_hub_cache
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+COMMIT = HUB_COMMIT
 REPO = "tiny-org/tiny-llm"
-
-
-def write_hub_cache(home: Path, repo_id: str, source: Path, *, files: tuple[str, ...] | None = None,
-                    ref: str = "main", commit: str = COMMIT) -> Path:
-    """The cache layout huggingface_hub writes: ``blobs/<sha>``, ``snapshots/<commit>/<file>`` linking to the blob,
-    ``refs/<ref>`` holding the commit. ``files``: which of ``source``'s files are cached (all by default)."""
-    folder = home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    (folder / "refs").mkdir(parents=True, exist_ok=True)
-    (folder / "refs" / ref).write_text(commit)
-    snapshot = folder / "snapshots" / commit
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (folder / "blobs").mkdir(exist_ok=True)
-    for path in sorted(source.iterdir()):
-        if files is not None and path.name not in files:
-            continue
-        blob = folder / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
-        shutil.copyfile(path, blob)
-        if not (snapshot / path.name).exists():
-            (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
-    return snapshot
 
 
 @pytest.fixture(scope="module")

@@ -149,3 +149,31 @@ def test_counting_flops_leaves_the_peak_alone_and_sees_the_recompute(tiny_bert: 
     none = traced("none", True)
     assert none.flops is not None and counted.flops is not None
     assert none.flops < counted.flops < 2 * none.flops  # checkpointing re-runs the forward: ~1/3 more
+
+
+def test_the_traced_timeline_is_the_real_runs(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path / "gpt2", TINY_GPT2)
+    config = TrainConfig(model=str(model), effective_batch=4, micro_batch_size=2, max_length=24)
+    predicted = estimate(config, device="cpu", timeline=True)
+    measured = estimate(config, device="cpu", execute=True, timeline=True)
+    assert predicted.timeline is not None and measured.timeline is not None
+    # real kernels make a few temporaries that fake ones do not (more events, in other places), not a higher peak
+    assert predicted.timeline["peak_bytes"] == measured.timeline["peak_bytes"] == predicted.peak_bytes
+    phases = [phase["name"] for phase in predicted.timeline["phases"]]
+    assert phases[:3] == ["other", "forward", "backward"] and phases.count("optimizer") == 2  # two steps
+    assert {phase["name"] for phase in measured.timeline["phases"]} == set(phases)
+    assert estimate(config, device="cpu").timeline is None  # only when asked: a plan's traces keep none
+
+
+def test_a_shortened_traces_timeline_has_the_full_traces_events_and_peak(tmp_path: Path) -> None:
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"num_hidden_layers": 6})
+    config = TrainConfig(model=str(model), effective_batch=2, micro_batch_size=1, max_length=16)
+    shortened = estimate(config, device="4090", timeline=True, steps=1)
+    full = estimate(config, device="4090", timeline=True, exact_trace=True, steps=1)
+    assert "replayed" in shortened.trace and full.trace == "full trace"
+    assert shortened.timeline is not None and full.timeline is not None
+    for key in ("events", "peak_bytes"):
+        assert shortened.timeline[key] == full.timeline[key]
+    assert shortened.timeline["peak_bytes"] == shortened.peak_bytes == full.peak_bytes

@@ -61,6 +61,7 @@ from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.moe import GroupedMatmulShapes
+from memfit.memory.monitor import timeline_record
 from memfit.memory.norm_stats import NormStatsDtypes
 from memfit.memory.repeats import (
     BLOCK,
@@ -167,6 +168,11 @@ class Estimate(StepPeak):
     trace: str = "full trace"
     """How the step was traced: in full (and why, where a shortened trace was refused), or which blocks and
     micro-steps were traced and the rest replayed (:mod:`memfit.memory.repeats`)."""
+    timeline: dict[str, Any] | None = None
+    """With ``estimate(..., timeline=True)``: the allocated bytes over the traced steps (the workspaces and the
+    scaler's included, as in :attr:`peak_bytes`), each point labelled with its phase
+    (:func:`memfit.memory.monitor.timeline_record`'s form, that of ``memfit train --memory-timeline``). A
+    shortened trace's has the same events and peaks; frees that come together may come in another order."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -226,7 +232,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
 def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_len: int | None = None,
              image_size: int | None = None, num_labels: int = 2, steps: int = 2, execute: bool = False,
              count_flops: bool = False, lean_warmup: bool = False, padded: bool = True,
-             layers: int | None = None, exact_trace: bool = False) -> Estimate:
+             layers: int | None = None, exact_trace: bool = False, timeline: bool = False) -> Estimate:
     """Trace ``steps`` optimizer steps of ``config`` with fake tensors and return the predicted peak.
 
     ``count_flops=True`` also counts the FLOPs of the traced steps. ``lean_warmup=True`` runs the first step
@@ -239,6 +245,7 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     A model whose blocks repeat is traced as a copy a few blocks deep over the first micro-steps of each
     window, and the rest replayed (:mod:`memfit.memory.repeats`): the same numbers as the full trace, which
     ``exact_trace=True`` forces (``Estimate.trace`` says which ran, and why a shortened trace was refused).
+    ``timeline=True``: the memory over the traced steps too (:attr:`Estimate.timeline`).
     """
     started = time.perf_counter()
     trace = prepare_trace(config, device=device, seq_len=seq_len, image_size=image_size, steps=steps,
@@ -252,9 +259,10 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     traced_samples = sum(len(batch["labels"]) for window in trace.windows for batch in window)
     traced_micro_steps = sum(len(window) for window in trace.windows)
     # fake tensors log each op they cannot run; the one line that follows says it once
+    events: list[tuple[int, str | None]] | None = [] if timeline else None
     with model_support(trace.spec.hf_config), raised_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
         run = _run(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels,
-                   exact_trace=exact_trace)
+                   exact_trace=exact_trace, timeline=events)
     tracker, profile = run.tracker, trace.profile
     extra = run.scaler_bytes + run.workspace_bytes
     peak = tracker.peak_bytes + extra
@@ -277,7 +285,8 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         trainable_parameters=run.trainable, parameters=run.parameters, world_size=config.world_size,
         distributed=strategy, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
         seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes,
-        host_breakdown={name: tracker.host_peak_breakdown.get(name, 0) for name in HOST_CATEGORIES})
+        host_breakdown={name: tracker.host_peak_breakdown.get(name, 0) for name in HOST_CATEGORIES},
+        timeline=None if events is None else timeline_record([(live + extra, phase) for live, phase in events]))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -300,21 +309,26 @@ class _TracedRun:
 
 
 def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: bool, count_flops: bool,
-         num_labels: int, exact_trace: bool) -> _TracedRun:
-    """The shortened trace replayed where the step repeats, else the full trace (saying why)."""
+         num_labels: int, exact_trace: bool, timeline: list[tuple[int, str | None]] | None) -> _TracedRun:
+    """The shortened trace replayed where the step repeats, else the full trace (saying why); ``timeline``: a
+    list that receives (live bytes, phase) after every allocation and free of the (replayed) steps."""
     shortened = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy)
     if isinstance(shortened, Shortened):
         try:
-            return _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels)
+            return _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels,
+                             timeline=timeline)
         except NotRepeating as reason:
             shortened = f"full trace: {reason}"
-    run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels)
+            if timeline is not None:
+                timeline.clear()
+    run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels,
+                       timeline=timeline)
     run.how = shortened
     return run
 
 
 def _replayed(config: TrainConfig, shortened: Shortened, strategy: str, *, count_flops: bool,
-              num_labels: int) -> _TracedRun:
+              num_labels: int, timeline: list[tuple[int, str | None]] | None) -> _TracedRun:
     """Trace the shortened step with a recording tracker, expand its record to the full step and replay it
     through the accounting a full trace would have run (:mod:`memfit.memory.repeats`)."""
     blocks = shortened.depth.repeats if shortened.depth is not None else ()
@@ -332,6 +346,7 @@ def _replayed(config: TrainConfig, shortened: Shortened, strategy: str, *, count
     for group in blocks:  # the highest first: each renumbers only the blocks above it
         events = expand(events, BLOCK, group)
     tracker = StorageTracker(allocator=run.allocator)
+    tracker.timeline = timeline
     replay(events, tracker)
     phases = {key[2] for key in recorder.ops if key[2] is not None}
     per_block = recorder.block_parameters
@@ -347,13 +362,16 @@ def _replayed(config: TrainConfig, shortened: Shortened, strategy: str, *, count
 
 
 def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: bool, count_flops: bool,
-                 num_labels: int, recorder: RecordingTracker | None = None) -> _TracedRun:
+                 num_labels: int, recorder: RecordingTracker | None = None,
+                 timeline: list[tuple[int, str | None]] | None = None) -> _TracedRun:
     """Build the model under fake tensors (real ones when ``execute``) and run the steps on ``trace``'s
     windows inside the tracker."""
     profile, windows = trace.profile, trace.windows
     precision = Precision(trace.precision, "cpu")  # traced with CPU autocast, CUDA differences emulated
     allocator = CachingAllocatorModel() if profile.kind == "cuda" else None
     tracker = recorder or StorageTracker(allocator=allocator, count_flops=count_flops)
+    if recorder is None:
+        tracker.timeline = timeline
     fake_mode = None if execute else BuildValuesFakeMode()
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]

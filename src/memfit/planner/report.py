@@ -87,10 +87,14 @@ class Plan:
         """The training config that runs the chosen setup (``base``: the plan's own options)."""
         if self.chosen is None:
             raise ConfigError(self.verdict)
+        return self.config_of(self.chosen, base)
+
+    def config_of(self, candidate: Candidate, base: TrainConfig | None = None) -> TrainConfig:
+        """The training config that runs ``candidate``, one of :attr:`candidates`."""
         base = dataclasses.replace(base or from_mapping(self.config), budget=None, plan=None,
                                    device_profile=None).without_opt_ins()
-        return self.chosen.family.configure(base, micro_batch_size=self.chosen.micro_batch_size,
-                                            effective_batch=self.effective_batch)
+        return candidate.family.configure(base, micro_batch_size=candidate.micro_batch_size,
+                                          effective_batch=self.effective_batch)
 
     def to_training_arguments(self) -> dict[str, Any]:
         """Keyword arguments for ``transformers.TrainingArguments`` that run the chosen setup in HF Trainer.
