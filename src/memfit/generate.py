@@ -51,7 +51,7 @@ def generate(source: str, prompt: str, *, max_new_tokens: int = 64, raw: bool = 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
             model = adapted_model(directory, tokenizer.pad_token_id) if (directory / ADAPTER_CONFIG).is_file() \
                 else language_model(directory)
     except (ValueError, OSError) as error:
@@ -89,10 +89,10 @@ def language_model(directory: Path) -> Any:
     """The saved model of a causal-LM or seq2seq run (an encoder-decoder config: the seq2seq head)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(directory))
+    config = transformers.AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     auto_class = transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) \
         else transformers.AutoModelForCausalLM
-    return auto_class.from_pretrained(str(directory))
+    return auto_class.from_pretrained(str(directory), trust_remote_code=False)
 
 
 def adapted_model(adapter_dir: Path, pad_token_id: int | None) -> Any:

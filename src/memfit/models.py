@@ -212,13 +212,25 @@ def _resolve(name: str, *, weights: bool, log: Callable[[str], None] | None) -> 
     return _from_directory(name, hub.resolve(hub_model, weights=weights))
 
 
+def _maps_to_own_code(config_file: Path) -> bool:
+    """Whether ``config.json`` names classes of the repository's own code (``auto_map``)."""
+    try:
+        return "auto_map" in json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False  # the config's own reading says what is wrong
+
+
 def _from_directory(name: str, path: Path) -> ModelSpec:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"--model {name}: no config.json in {path}; a Hugging Face model directory needs one")
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path))
+    try:  # never a repository's own code (auto_map), nor a question whether to run it
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:
+        if _maps_to_own_code(config_file):
+            raise ConfigError(f"--model {name}: its architecture is the repository's own code (auto_map in "
+                              "config.json), which memfit does not run; use a model whose architecture transformers "
+                              "ships") from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"--model {name}: cannot read config.json: {first_line} Fix or replace the "
                           "file") from None
@@ -294,7 +306,7 @@ def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | 
     if spec.weights_dir is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return auto_class.from_pretrained(str(spec.weights_dir), **head_kwargs)
+            return auto_class.from_pretrained(str(spec.weights_dir), **head_kwargs, trust_remote_code=False)
     # architectures [] rather than None: the auto class picks among several heads (Perceiver's, DeiT's) by
     # iterating them, and falls back to the first only for a list
     config = spec.hf_config.__class__.from_dict({**spec.hf_config.to_dict(), **head_kwargs,
@@ -309,7 +321,7 @@ def _causal_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTra
     if spec.weights_dir is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = auto_class.from_pretrained(str(spec.weights_dir))
+            model = auto_class.from_pretrained(str(spec.weights_dir), trust_remote_code=False)
     else:  # a copy: the pad id set below must not reach the spec's config (a second build must be the same)
         model = auto_class.from_config(copy.deepcopy(spec.hf_config))
     if getattr(model.config, "pad_token_id", None) is None and pad_token_id is not None:
@@ -373,7 +385,8 @@ def _seq2seq_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTr
     if spec.weights_dir is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return transformers.AutoModelForSeq2SeqLM.from_pretrained(str(spec.weights_dir), config=config)
+            return transformers.AutoModelForSeq2SeqLM.from_pretrained(str(spec.weights_dir), config=config,
+                                                                      trust_remote_code=False)
     return transformers.AutoModelForSeq2SeqLM.from_config(config)
 
 
@@ -488,5 +501,6 @@ def _weights(parameter: nn.Parameter) -> int:
 def load_tokenizer(spec: ModelSpec) -> Any:
     """The tokenizer of a text model (its own, or the packaged WordPiece one for config-only models)."""
     assert spec.modality == "text", "vision models have no tokenizer"
-    return transformers.AutoTokenizer.from_pretrained(str(spec.tokenizer_dir or packaged_minilm_dir()))
+    return transformers.AutoTokenizer.from_pretrained(str(spec.tokenizer_dir or packaged_minilm_dir()),
+                                                      trust_remote_code=False)
 

@@ -165,7 +165,7 @@ def load_quantized(path: str | Path) -> nn.Module:
     info = json.loads((directory / INFO).read_text())
     if info["backend"] == "onnxruntime":
         return onnx_int8.OnnxClassifier(directory / onnx_int8.MODEL_FILE)
-    config = transformers.AutoConfig.from_pretrained(str(directory))
+    config = transformers.AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     auto = (transformers.AutoModelForImageClassification if is_vision_config(config)
             else transformers.AutoModelForSequenceClassification)
     model = auto.from_config(config).eval()

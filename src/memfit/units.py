@@ -36,7 +36,7 @@ def fraction(text: str) -> float:
     try:
         value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise ConfigError(f"margin {text!r} is not a fraction; give e.g. 5% or 0.05") from None
+        raise ConfigError(f"{text!r} is not a fraction; give e.g. 5% or 0.05") from None
     if not 0.0 <= value < 0.5:
-        raise ConfigError(f"margin {text!r} must be between 0 and 50%")
+        raise ConfigError(f"{text!r} must be between 0 and 50%")
     return value

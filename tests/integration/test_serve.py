@@ -18,14 +18,14 @@ import pytest
 
 from memfit.errors import ConfigError
 from memfit.planner.allowed import Allowed
-from memfit.planner.request import PlanRequest
+from memfit.planner.request import QUERY_KEYS, PlanRequest
 from tests.conftest import write_tiny_llm
 from tests.helpers import run_main, write_hub_cache
 
 starlette = pytest.importorskip("starlette", reason="memfit serve needs the serve extra")
 from starlette.testclient import TestClient  # noqa: E402
 
-from memfit.serve.app import create_app, run_job  # noqa: E402
+from memfit.serve.app import create_app, host_name, run_job  # noqa: E402
 from memfit.serve.jobs import Busy, Job, Planner  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")  # one tiny model and one server for the module
@@ -62,8 +62,8 @@ def test_each_bad_query_input_is_one_line() -> None:
         "seq-len='long' is not a whole number",
         "task='poetry': choose one of auto, classification, causal-lm, seq2seq",
         "allow-qlora='maybe': give 1 or 0",
-        f"unknown input 'colour'; the inputs are {', '.join(PlanRequest.from_query.__globals__['QUERY_KEYS'])}",
-        "margin '70%' must be between 0 and 50%"]
+        f"unknown input 'colour'; the inputs are {', '.join(QUERY_KEYS)}",
+        "margin='70%' must be between 0 and 50%"]
 
 
 def test_the_json_endpoint_answers_the_plan_commands_document(client: TestClient, tiny_llm: Path,
@@ -94,15 +94,51 @@ def test_bad_input_is_http_400_with_the_commands_message(client: TestClient, tin
     assert answer.status_code == 400
     message = answer.json()["error"]
     assert message.startswith("memfit: error: ") and "Traceback" not in message
-    if query["seq-len"] != "abc":  # the rest reach the planner: the same lines as the command's
+    if query["seq-len"] == "abc":
+        assert message == "memfit: error: seq-len='abc' is not a whole number"
+    elif query["device"] == "gtx-9090":  # the page takes a built-in profile only, never a file
+        assert message.startswith("memfit: error: device='gtx-9090': choose one of 1080ti, 2080ti, ")
+    else:  # these reach the planner: the same lines as the command's
         code, _, err = run_main(["plan", *(w for k, v in query.items() for w in (f"--{k}", v)), "--json"], capsys)
         assert code == 2 and err.strip() == message
     assert client.get("/api/options").status_code == 200  # the server goes on
 
 
-def test_other_host_names_are_refused() -> None:
+def test_a_model_directory_is_read_never_run(client: TestClient, tmp_path: Path) -> None:
+    own_code = tmp_path / "own-code"
+    own_code.mkdir()
+    marker = tmp_path / "ran"
+    (own_code / "config.json").write_text(json.dumps({
+        "model_type": "own-model", "auto_map": {"AutoConfig": "configuration_own.OwnConfig"}}))
+    (own_code / "configuration_own.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    answer = client.get("/api/plan", params={"model": str(own_code), **SMALL})
+    assert answer.status_code == 400 and not marker.exists()
+    assert answer.json()["error"] == (
+        f"memfit: error: --model {own_code}: its architecture is the repository's own code (auto_map in "
+        "config.json), which memfit does not run; use a model whose architecture transformers ships")
+
+
+def test_other_host_names_and_other_sites_are_refused(client: TestClient) -> None:
     with TestClient(create_app(Planner(run_job)), base_url="http://rebound.example") as other:
         assert other.get("/api/options").status_code == 400
+    assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "localhost", "[::1]")] == [
+        "127.0.0.1", "::1", "localhost", "::1"]
+    for headers in ({"Origin": "http://elsewhere.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
+        refused = client.post("/api/jobs", params={"model": "bert-base"}, headers=headers)
+        assert refused.status_code == 403, headers
+    same_page = {"Origin": "http://127.0.0.1", "Sec-Fetch-Site": "same-origin"}
+    assert client.get("/api/options", headers=same_page).status_code == 200
+
+
+def test_a_server_plans_only_built_in_cards_and_bounded_steps(tmp_path: Path) -> None:
+    profile = tmp_path / "card.toml"
+    profile.write_text("memory = '8GiB'\n")
+    with pytest.raises(ConfigError) as raised:
+        PlanRequest.from_query({"device": str(profile), "effective-batch": "100000", "seq-len": "1000"}, served=True)
+    assert raised.value.problems[0].startswith(f"device={str(profile)!r}: choose one of 1080ti, ")
+    assert raised.value.problems[1] == ("effective-batch x seq-len = 100,000,000 tokens per step; the page plans at "
+                                        "most 16,777,216 (memfit plan has no such bound)")
+    assert PlanRequest.from_query({"device": str(profile)}).device == str(profile)  # the command line reads files
 
 
 def _waiting_runner(release: threading.Event) -> Any:
@@ -123,15 +159,20 @@ def test_a_full_queue_is_refused_and_a_cancelled_plan_stops() -> None:
     with pytest.raises(Busy, match="1 plans are waiting already"):
         planner.submit({}, details=False)
     with TestClient(create_app(planner), base_url="http://127.0.0.1") as test_client:
-        refused = test_client.post("/api/jobs")
+        refused = test_client.post("/api/jobs", params={"model": "bert-base"})
         assert refused.status_code == 503 and refused.json()["error"].startswith("memfit: error: ")
+        bad = test_client.get("/api/plan", params={"seq-len": "abc"})  # checked on arrival, not behind the queue
+        assert bad.status_code == 400 and bad.json()["error"] == "memfit: error: seq-len='abc' is not a whole number"
+        planner.cancel(queued.id)  # a waiting job leaves the queue at once, its place freed
+        assert queued.state == "cancelled" and queued.traces == 0
+        later = planner.submit({}, details=False)
         assert test_client.delete(f"/api/jobs/{running.id}").status_code == 200
-    assert running.finished.wait(5) and running.state == "cancelled" and running.traces >= 1
-    release.set()
-    assert queued.finished.wait(5) and queued.state == "done" and queued.plan == {"verdict": "done"}
-    later = planner.submit({}, details=False)
-    planner.cancel(later.id)  # a queued job cancelled before it starts never runs
-    assert later.finished.wait(5) and later.state == "cancelled" and later.traces == 0
+        assert running.finished.wait(5) and running.state == "cancelled" and running.traces >= 1
+        release.set()
+        assert later.finished.wait(5) and later.state == "done" and later.plan == {"verdict": "done"}
+        release.clear()
+        last = planner.submit({}, details=False)
+    assert last.finished.wait(5) and last.state == "cancelled"  # a stopping server cancels what it has
 
 
 def test_a_failing_plan_is_one_line_and_the_next_one_runs() -> None:

@@ -1,7 +1,11 @@
 """What a plan shows beside its table: the memory of one setup (the chosen one, or when nothing fits the one that
 needs least) as a breakdown against the budget and as a timeline over the traced steps, from one more trace of
-that setup (equal to the plan's own figure), and what to run: the ``memfit train`` command and, where Trainer can
-run the setup, its ``TrainingArguments``.
+that setup (``memfit estimate``'s), and what to run: the ``memfit train`` command and, where Trainer can run the
+setup, its ``TrainingArguments``.
+
+The trace is of the whole window. Its allocated bytes are the plan's figure; so is its peak, except where the
+window is longer than two micro-steps: the plan traces two and adds the other micro-batches' inputs to the
+allocator's reserve as well, which the reserve may absorb (then this peak is a little lower).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class PlanDetails:
     setup: str
     """The setup, as the plan describes it."""
     predicted_peak_bytes: int
-    """The breakdown's sum: the plan's predicted peak of the setup."""
+    """The breakdown's sum: the setup's peak as ``memfit estimate`` traces it."""
     budget_bytes: int
     usable_bytes: int
     breakdown: dict[str, int]
@@ -53,11 +57,13 @@ class PlanDetails:
 
 
 def shown(made: Plan) -> Candidate | None:
-    """The setup whose memory a plan shows: the chosen one, else the exactly traced one that needs least."""
+    """The setup whose memory a plan shows: the chosen one, else the exactly traced one that needs least among
+    those the plan's opt-ins allow (a plan that says what the others would need traces them too)."""
     if made.chosen is not None:
         return made.chosen
     traced = [c for c in made.candidates if c.exact and c.predicted_peak_bytes is not None]
-    return min(traced, key=lambda c: c.predicted_peak_bytes or 0, default=None)
+    allowed = [c for c in traced if set(c.family.opt_ins) <= set(made.opt_ins)] or traced
+    return min(allowed, key=lambda c: c.predicted_peak_bytes or 0, default=None)
 
 
 def plan_details(made: Plan, request: PlanRequest) -> PlanDetails | None:

@@ -27,6 +27,8 @@ DISTRIBUTED_CHOICES = ("auto", "ddp", "fsdp")
 DEFAULT_DEVICE = "1080ti"
 DEFAULT_MARGIN = 0.05
 TRUE, FALSE = ("1", "true", "yes", "on", ""), ("0", "false", "no", "off")
+SERVED_TOKENS = 2**24
+"""Tokens per optimizer step (effective batch x sequence length) a server plans at most."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,8 +75,10 @@ class PlanRequest:
                     gpus=self.gpus, exact_trace=self.exact_trace, cache=cache, progress=progress)
 
     @classmethod
-    def from_query(cls, query: Mapping[str, str]) -> PlanRequest:
-        """The request a query string (or a form) asks; every problem in one :class:`ConfigError`."""
+    def from_query(cls, query: Mapping[str, str], *, served: bool = False) -> PlanRequest:
+        """The request a query string (or a form) asks; every problem in one :class:`ConfigError`. ``served``:
+        asked of a server, which takes only a built-in device profile (no file path) and at most
+        :data:`SERVED_TOKENS` tokens per optimizer step (the trace's inputs are made as real host tensors)."""
         problems = Problems()
         values: dict[str, Any] = {}
         allowed: dict[str, bool] = {}
@@ -91,6 +95,8 @@ class PlanRequest:
                     problems.add(f"unknown input {key!r}; the inputs are {', '.join(QUERY_KEYS)}")
             except ConfigError as error:
                 problems.extend(error)
+        if served:
+            problems.lines.extend(_served_problems(values))
         problems.raise_if_any()
         return cls(**values, allow=Allowed(**allowed))
 
@@ -103,6 +109,20 @@ class PlanRequest:
                 query[name.replace("_", "-")] = str(value)
         query.update({flag.removeprefix("--"): "1" for flag in self.allow.flags})
         return query
+
+
+def _served_problems(values: Mapping[str, Any]) -> list[str]:
+    from memfit.names import PROFILES
+
+    problems = []
+    device = values.get("device")
+    if device is not None and device not in PROFILES:
+        problems.append(f"device={device!r}: choose one of {', '.join(PROFILES)}")
+    tokens = (values.get("effective_batch") or 1) * (values.get("seq_len") or 1)
+    if tokens > SERVED_TOKENS:
+        problems.append(f"effective-batch x seq-len = {tokens:,} tokens per step; the page plans at most "
+                        f"{SERVED_TOKENS:,} (memfit plan has no such bound)")
+    return problems
 
 
 def _flag(key: str, text: str) -> bool:
@@ -134,7 +154,10 @@ def _choice(choices: tuple[str, ...]) -> Callable[..., str]:
 
 
 def _margin(text: str, *, key: str) -> float:
-    return fraction(text)
+    try:
+        return fraction(text)
+    except ConfigError as error:
+        raise ConfigError(f"{key}={error.problems[0]}") from None
 
 
 def _switch(text: str, *, key: str) -> bool:

@@ -12,9 +12,10 @@ line): a charting library would outweigh the page, and every asset ships in the 
 run time.
 
 Safety: it listens on 127.0.0.1 unless ``--host`` says otherwise (then it warns); it answers only to the host
-names it listens on; a model directory given on the page is read (its config and tokenizer files), never run; each
-input is checked and bad input answered with the command line's one-line message (HTTP 400); plans run one at a
-time off the request thread, from a bounded queue (:mod:`memfit.serve.jobs`).
+names it listens on, and its API only to its own page (:class:`memfit.serve.app.LocalOnly`); a model directory
+given on the page is read (its config and tokenizer files), never run; each input is checked when it arrives and
+bad input answered with the command line's one-line message (HTTP 400); plans run one at a time off the request
+thread, from a bounded queue (:mod:`memfit.serve.jobs`).
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def serve(*, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, queue_limit: in
         sys.stderr.write(f"memfit: warning: serving on {host}: anyone who can reach this machine can run plans "
                          "here and name model directories on it; the default 127.0.0.1 keeps it to this machine\n")
     planner = Planner(run_job, limit=queue_limit or QUEUE_LIMIT, warm=warm)
-    hosts = LOOPBACK_NAMES if is_loopback(host) else ("*",)
+    hosts = tuple(dict.fromkeys((*LOOPBACK_NAMES, host.strip("[]")))) if is_loopback(host) else None
     app = create_app(planner, hosts=hosts)
     bound = listener.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"memfit serve: http://{shown}:{bound}/ (Ctrl-C stops it)", flush=True)
     planner.start()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
     server.run(sockets=[listener])
     return 0
 

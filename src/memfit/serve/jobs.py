@@ -1,20 +1,21 @@
 """Plans off the request thread: one worker runs them in turn from a bounded queue.
 
 A plan is minutes of fake-tensor tracing on a few cores; two at once would only share those cores. So the page's
-requests put a job in a queue of at most :data:`QUEUE_LIMIT` and return at once; a full queue is refused (HTTP
-503), so no one's requests pile up behind another's. A job is cancelled between two traces (the planner reports
-each one), or before it starts; the page cancels its job when its inputs change. Finished jobs are kept for the
-page to read, the oldest dropped past :data:`KEPT_JOBS`.
+requests put a job in a queue of at most :data:`QUEUE_LIMIT` waiting jobs and return at once; a full queue is
+refused (HTTP 503), so no one's requests pile up behind another's. A waiting job that is cancelled leaves the queue
+at once; a running one stops at its next trace (the planner reports each one), or before its details' trace. The
+page cancels its job when its inputs change. Finished jobs are kept for the page to read, the oldest dropped past
+:data:`KEPT_JOBS`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
+import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,9 @@ class Job:
 
     id: str
     query: dict[str, str]
-    """The inputs as given (a query string's), checked by the worker's ``run``."""
+    """The inputs as given (a query string's)."""
+    request: Any = None
+    """The inputs checked (:class:`memfit.planner.request.PlanRequest`), made when the job was asked for."""
     details: bool
     """Also the chosen setup's memory and commands (the page), not only the plan (the JSON endpoint)."""
     state: str = "queued"
@@ -88,54 +91,76 @@ class Planner:
     """The queue and its worker thread; ``runner`` makes a job's plan (:func:`memfit.serve.app.run_job`)."""
 
     def __init__(self, runner: Runner, *, limit: int = QUEUE_LIMIT, warm: Callable[[], None] | None = None) -> None:
+        self.limit = limit
         self._runner, self._warm = runner, warm
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=limit)
+        self._waiting: deque[Job] = deque()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._lock = threading.Lock()
+        self._ready = threading.Condition()
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._work, name="memfit-planner", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, query: dict[str, str], *, details: bool) -> Job:
-        """Queue a plan; :class:`Busy` when :data:`QUEUE_LIMIT` jobs already wait."""
-        with self._lock:
-            job = Job(id=f"{next(self._ids)}-{int(time.time() * 1000) % 100000}", query=query, details=details)
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise Busy(f"{self._queue.maxsize} plans are waiting already; try again when one has finished") \
-                    from None
+    def submit(self, query: dict[str, str], *, details: bool, request: Any = None) -> Job:
+        """Queue a plan; :class:`Busy` when :attr:`limit` jobs already wait (cancelled ones do not count)."""
+        with self._ready:
+            if len(self._waiting) >= self.limit:
+                raise Busy(f"{self.limit} plans are waiting already; try again when one has finished")
+            job = Job(id=f"{next(self._ids)}-{secrets.token_hex(4)}", query=query, details=details, request=request)
+            self._waiting.append(job)
             self._jobs[job.id] = job
             self._forget_old()
+            self._ready.notify()
         return job
 
     def get(self, job_id: str) -> Job | None:
-        with self._lock:
+        with self._ready:
             return self._jobs.get(job_id)
 
     def cancel(self, job_id: str) -> Job | None:
-        """Stop a job: before it starts, or at its next trace."""
-        job = self.get(job_id)
-        if job is not None and job.state not in FINISHED:
+        """Stop a job: a waiting one at once (its place in the queue freed), a running one at its next trace."""
+        with self._ready:
+            job = self._jobs.get(job_id)
+            if job is None or job.state in FINISHED:
+                return job
             job.cancel.set()
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._finish(job, "cancelled")
         return job
+
+    def stop(self) -> None:
+        """Cancel every job (the server is stopping)."""
+        with self._ready:
+            for job in list(self._jobs.values()):
+                if job.state not in FINISHED:
+                    job.cancel.set()
+            for job in self._waiting:
+                self._finish(job, "cancelled")
+            self._waiting.clear()
 
     def _forget_old(self) -> None:
         finished = [key for key, job in self._jobs.items() if job.state in FINISHED]
         for key in finished[:max(0, len(self._jobs) - KEPT_JOBS)]:
             del self._jobs[key]
 
+    def _next(self) -> Job:
+        with self._ready:
+            while not self._waiting:
+                self._ready.wait()
+            job = self._waiting.popleft()
+            job.state, job.started = "running", time.monotonic()
+            return job
+
     def _work(self) -> None:
         if self._warm is not None:
-            self._warm()
+            try:
+                self._warm()
+            except Exception:  # a plan will say what is missing; the worker stays
+                log.exception("warming the planner failed")
         while True:
-            job = self._queue.get()
-            if job.cancel.is_set():
-                self._finish(job, "cancelled")
-                continue
-            job.state, job.started = "running", time.monotonic()
+            job = self._next()
             try:
                 self._runner(job)
                 self._finish(job, "done")
@@ -144,11 +169,14 @@ class Planner:
             except MemfitError as error:
                 job.error, job.status = "\n".join(messages(error)), 400
                 self._finish(job, "failed")
-            except Exception as error:  # the server outlives any plan: it answers, and logs the rest
+            except BaseException as error:  # the worker outlives any plan: it answers, and logs the rest
                 log.exception("plan %s stopped", job.id)
                 job.error, job.status = f"memfit: error: the plan stopped: {type(error).__name__}: {error}", 500
                 self._finish(job, "failed")
 
-    def _finish(self, job: Job, state: str) -> None:
+    @staticmethod
+    def _finish(job: Job, state: str) -> None:
         job.state, job.finished_at = state, time.monotonic()
+        if state == "cancelled":
+            job.error, job.status = "memfit: error: the plan was cancelled", 409
         job.finished.set()

@@ -18,8 +18,10 @@ const PHASE_COLORS = { forward: "#e8f5e9", backward: "#fff3e0", optimizer: "#fde
 const SVG = "http://www.w3.org/2000/svg";
 const form = document.getElementById("inputs");
 let current = null;     // the job being followed
+let generation = 0;     // plans asked for so far: a job asked for by an older one is cancelled on arrival
 let pending = null;     // a planned re-plan after an input changed
 let defaults = {};
+let extra = new URLSearchParams();  // inputs of the link with no field on the page (margin, lora-rank, ...): kept
 
 function formatBytes(bytes) {
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -46,7 +48,7 @@ function show(id, visible) { document.getElementById(id).hidden = !visible; }
 
 // --- the inputs ---------------------------------------------------------------------------------------------
 function query() {
-  const params = new URLSearchParams();
+  const params = new URLSearchParams(extra);
   for (const element of form.elements) {
     if (!element.name) continue;
     if (element.type === "checkbox") { if (element.checked) params.set(element.name, "1"); }
@@ -57,15 +59,32 @@ function query() {
 }
 
 function fillFrom(params) {
+  const fields = new Set();
   for (const element of form.elements) {
     if (!element.name) continue;
+    fields.add(element.name);
     if (element.type === "checkbox") element.checked = ["1", "true", "yes", "on", ""].includes(params.get(element.name));
-    else if (params.has(element.name)) element.value = params.get(element.name);
+    else if (params.has(element.name)) {
+      const value = params.get(element.name);
+      if (element.tagName === "SELECT" && ![...element.options].some((option) => option.value === value)) {
+        element.append(el("option", { value }, value));  // a value the page does not list: kept, the server checks it
+      }
+      element.value = value;
+    }
   }
+  extra = new URLSearchParams([...params].filter(([name]) => !fields.has(name)));
+}
+
+async function read(answer) {
+  // a JSON answer, or the error it carries as one line
+  let body = null;
+  try { body = await answer.json(); } catch { body = null; }
+  if (!answer.ok) throw new Error(body?.error ?? `memfit: error: the server answered ${answer.status}`);
+  return body;
 }
 
 async function loadOptions() {
-  const options = await (await fetch("/api/options")).json();
+  const options = await read(await fetch("/api/options"));
   defaults = options.defaults;
   const models = document.getElementById("models");
   for (const name of [...options.presets, ...options.cached]) models.append(el("option", { value: name }));
@@ -100,6 +119,7 @@ async function cancelCurrent() {
 
 async function plan() {
   clearTimeout(pending);
+  const mine = ++generation;
   await cancelCurrent();
   const params = query();
   history.replaceState(null, "", `?${params}`);
@@ -109,19 +129,26 @@ async function plan() {
   show("error", false);
   delete document.body.dataset.state;
   for (const id of ["verdict", "memory", "plan-table", "run"]) document.getElementById(id).classList.add("stale");
-  const answer = await fetch(`/api/jobs?${params}`, { method: "POST" });
-  const job = await answer.json();
-  if (!answer.ok) { fail(job.error); return; }
+  let job;
+  try {
+    job = await read(await fetch(`/api/jobs?${params}`, { method: "POST" }));
+  } catch (error) {
+    if (mine === generation) fail(error.message);
+    return;
+  }
+  if (mine !== generation) {  // the inputs changed while it was being asked for
+    fetch(`/api/jobs/${job.id}`, { method: "DELETE" }).catch(() => {});
+    return;
+  }
   current = job.id;
   show("status", true);
-  follow(job.id);
+  follow(job.id).catch((error) => { if (current === job.id) { current = null; fail(error.message); } });
 }
 
 async function follow(id) {
   let planShown = false;
   while (current === id) {
-    const answer = await fetch(`/api/jobs/${id}`);
-    const job = await answer.json();
+    const job = await read(await fetch(`/api/jobs/${id}`));
     if (current !== id) return;
     progress(job);
     if (job.plan && !planShown) { renderPlan(job.plan); planShown = true; }
@@ -129,6 +156,8 @@ async function follow(id) {
       current = null;
       show("status", false);
       if (job.memory) renderMemory(job.memory);
+      else { show("memory", false); show("run", false); }
+      if (!job.plan) { show("verdict", false); show("plan-table", false); }
       if (job.state === "failed") fail(job.error);
       document.body.dataset.state = job.state;
       return;
@@ -286,7 +315,9 @@ function drawTimeline(memory) {
 // --- wiring -------------------------------------------------------------------------------------------------
 form.addEventListener("submit", (event) => { event.preventDefault(); plan(); });
 form.addEventListener("input", () => {  // inputs changed: the running plan is for other inputs
+  generation += 1;
   cancelCurrent();
+  for (const id of ["verdict", "memory", "plan-table", "run"]) document.getElementById(id).classList.add("stale");
   show("status", false);
   clearTimeout(pending);
   if (form.elements.model.value.trim()) pending = setTimeout(plan, 900);
@@ -296,4 +327,4 @@ loadOptions().then(() => {
   const params = new URLSearchParams(location.search);
   fillFrom(params);
   if (params.has("model")) plan();
-});
+}).catch((error) => fail(error.message));
