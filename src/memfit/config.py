@@ -131,8 +131,8 @@ class TrainConfig:
     precision: str = "auto"
     """``fp32 | fp16 | bf16 | bf16-true | auto``. fp16 = autocast + GradScaler; bf16 = autocast, no scaler;
     bf16-true = the weights, gradients and optimizer state themselves in bf16, no autocast
-    (:mod:`memfit.techniques.bf16_true`); auto = bf16 on CPU and on CUDA with compute capability >= 8.0, fp16 on
-    older CUDA cards."""
+    (:mod:`memfit.techniques.bf16_true`); auto = bf16 on CUDA with compute capability >= 8.0, fp16 on older CUDA
+    cards; on CPU bf16 where the processor computes it natively (AVX512-BF16, AMX), else fp32."""
     force_cpu_fp16: bool = False
     """Allow fp16 on CPU, which works but is about 20x slower than fp32 there."""
     force_bf16: bool = False

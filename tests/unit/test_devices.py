@@ -81,3 +81,29 @@ def test_the_installed_torch_is_checked_against_the_card(arches: list[str], capa
     if capability == (6, 1) and not runs:
         assert problem is not None and "sm_61" in problem and "torch==2.14.*" in problem and "cu126" in problem
     assert torch_arch_problem(capability, "the card", []) is None  # a CPU build: nothing to say
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"),
+                         [(False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")])
+def test_auto_precision_on_cpu_is_bf16_only_where_the_processor_computes_it(
+        monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool, expected: str) -> None:
+    import torch
+
+    from memfit.techniques.precision import resolve_precision
+
+    # torch's own CPU checks are private; this fails loudly if a torch release renames them
+    assert callable(torch.cpu._is_avx512_bf16_supported) and callable(torch.cpu._is_amx_tile_supported)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cpu = Device(kind="cpu", name="cpu")
+    assert resolve_precision("auto", cpu, force_cpu_fp16=False) == (expected, [])
+    assert resolve_precision("bf16", cpu, force_cpu_fp16=False) == ("bf16", [])  # asked for, always given
+
+
+def test_auto_precision_on_cuda_follows_the_compute_capability() -> None:
+    from memfit.techniques.precision import resolve_precision
+
+    ampere = Device(kind="cuda", name="A100", compute_capability=(8, 0), total_memory_bytes=80 * GiB)
+    pascal = Device(kind="cuda", name="GTX 1080 Ti", compute_capability=(6, 1), total_memory_bytes=11 * GiB)
+    assert resolve_precision("auto", ampere, force_cpu_fp16=False) == ("bf16", [])
+    assert resolve_precision("auto", pascal, force_cpu_fp16=False) == ("fp16", [])
