@@ -42,8 +42,16 @@ class Device:
     @property
     def has_native_bf16(self) -> bool:
         if self.kind == "cpu":
-            return True  # CPU autocast runs bf16 kernels (oneDNN); no scaler needed
+            return True  # CPU autocast runs bf16 (no scaler needed); fast only where auto_precision says so
         return self.compute_capability is not None and self.compute_capability >= NATIVE_BF16_CAPABILITY
+
+    @property
+    def auto_precision(self) -> str:
+        """What ``--precision auto`` means here: bf16 where it is native (CUDA >= 8.0; a CPU with AVX512-BF16 or
+        AMX), else fp16 on a CUDA card and fp32 on a CPU (which emulates bf16 matmuls, 20x slower or more)."""
+        if self.kind == "cpu":
+            return "bf16" if cpu_has_native_bf16() else "fp32"
+        return "bf16" if self.has_native_bf16 else "fp16"
 
     @property
     def torch_device(self) -> torch.device:
@@ -56,6 +64,18 @@ class Device:
             return "cpu"
         major, minor = self.compute_capability or (0, 0)
         return f"{self.name} (sm_{major}{minor})"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles), from torch's own
+    checks of the CPU (``torch.cpu._is_avx512_bf16_supported``, ``_is_amx_tile_supported``: private, checked on
+    torch 2.4-2.13; where a torch lacks them, bf16 is taken as native, as memfit did before)."""
+    import torch
+
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is None for check in checks):
+        return True
+    return any(check() for check in checks if check is not None)
 
 
 def resolve_device(requested: str) -> Device:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from memfit import TrainConfig, train
-from memfit.techniques.precision import cpu_has_native_bf16
+from memfit.devices import cpu_has_native_bf16
 
 pytestmark = pytest.mark.slow
 

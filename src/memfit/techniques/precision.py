@@ -15,10 +15,10 @@ weights (and their gradients and optimizer state) stay, so model-state memory do
   weight is rounded away; Kahan summation (:mod:`memfit.techniques.bf16_true`, on by default) keeps it.
   What is learned changes a little: the forward and backward run in bf16 throughout.
 - ``fp32``: no autocast; the reference for accuracy.
-- ``auto``: bf16 on CUDA >= 8.0, fp16 on older CUDA cards; on CPU bf16 where the processor computes it natively
-  (AVX512-BF16 or AMX, :func:`cpu_has_native_bf16`), else fp32: without them a bf16 matmul is emulated, 20x
-  slower or more (forward and backward of a 768x384x1536 matmul on a 2-core AMD EPYC with AVX2 only: 34 ms in
-  fp32, 820 ms in bf16).
+- ``auto``: :attr:`memfit.devices.Device.auto_precision`: bf16 on CUDA >= 8.0, fp16 on older CUDA cards; on
+  CPU bf16 where the processor computes it natively (AVX512-BF16 or AMX), else fp32: without them a bf16 matmul
+  is emulated, 20x slower or more (forward and backward of a 768x384x1536 matmul on a 2-core AMD EPYC with AVX2
+  only: 34 ms in fp32, 820 ms in bf16).
 
 Incompatible: ``fp16`` on CPU without ``force_cpu_fp16``; ``bf16`` and ``bf16-true`` on CUDA below compute
 capability 8.0 without ``force_bf16`` (emulated there, slowly). fp16-true is not offered: fp16 weights without
@@ -41,11 +41,7 @@ def resolve_precision(requested: str, device: Device, *, force_cpu_fp16: bool,
                       force_bf16: bool = False) -> tuple[str, list[str]]:
     """The concrete precision ``requested`` means on ``device``, and the problems it has there."""
     if requested == "auto":
-        if device.kind == "cpu":
-            return ("bf16" if cpu_has_native_bf16() else "fp32"), []
-        if device.has_native_bf16:
-            return "bf16", []
-        return "fp16", []
+        return device.auto_precision, []
     problems = []
     if requested == "fp16" and device.kind == "cpu" and not force_cpu_fp16:
         problems.append("--precision fp16 on CPU runs about 20x slower than fp32; use --precision bf16 "
@@ -56,16 +52,6 @@ def resolve_precision(requested: str, device: Device, *, force_cpu_fp16: bool,
         problems.append(f"--precision {requested}: {device.describe()} has no native bf16 (needs compute capability "
                         f">= 8.0); use {instead} (or add --force-bf16 to run it emulated, slowly)")
     return requested, problems
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this machine's CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles), from torch's own
-    checks of the CPU (``torch.cpu._is_avx512_bf16_supported``, ``_is_amx_tile_supported``: private, checked on
-    torch 2.4-2.13; where a torch lacks them, bf16 is taken as native, as memfit did before)."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if any(check is None for check in checks):
-        return True
-    return any(check() for check in checks if check is not None)
 
 
 @dataclass(frozen=True, slots=True)
