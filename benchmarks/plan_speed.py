@@ -7,12 +7,13 @@ each card, the speeds the planner's cost model; only a GPU can confirm either.
 
     .venv/bin/python benchmarks/plan_speed.py --json benchmarks/results/plan_speed_cpu.json
     .venv/bin/python benchmarks/plan_speed.py --quick   # BERT-base on the 1080 Ti only
-    .venv/bin/python benchmarks/plan_speed.py --llm llama-3.2-1b llama-3.1-8b --exact-too \
+    .venv/bin/python benchmarks/plan_speed.py --llm llama-3.2-1b llama-3.1-8b --one-worker-too \
         --json benchmarks/results/plan_speed_llm_cpu.json
 
 ``--llm``: LLM presets planned as a user would (``memfit plan --task causal-lm --seq-len 1024 --effective-batch 16
 --device 1080ti --allow-lora --allow-qlora``), target 15 s each; ``--exact-too`` also plans each with
-``exact_trace=True`` (every block and micro-step traced, as before shortened traces) for the ratio.
+``exact_trace=True`` (every block and micro-step traced, as before shortened traces) for the ratio;
+``--one-worker-too`` with one trace process (``MEMFIT_TRACE_WORKERS=1``), for the ratio of tracing side by side.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from memfit import TrainConfig, plan
 from memfit.report import format_bytes
 
 TARGET_SECONDS = 30.0
-LARGE_TARGET_SECONDS = 15.0
+LARGE_TARGET_SECONDS = 5.0
 """BERT-large at 512 tokens on the 1080 Ti: its plan traces the most expensive steps of the matrix."""
 MODELS: dict[str, dict[str, Any]] = {
     "bert-base S128": {"model": "bert-base", "seq_len": 128},
@@ -56,26 +57,48 @@ def one(name: str, device: str, *, effective_batch: int, budget: str | None = No
             "budget_bytes": result.budget_bytes, "usable_bytes": result.usable_bytes, "verdict": result.verdict}
 
 
-def llm(model: str, *, exact_trace: bool) -> dict[str, Any]:
+def llm(model: str, *, exact_trace: bool, workers: int | None = None) -> dict[str, Any]:
+    """One LLM plan; ``workers``: the planner's trace processes (``None``: its default, one per core)."""
     from memfit.planner.allowed import Allowed
+    from memfit.planner.workers import WORKERS_ENV, worker_count
 
-    started = time.perf_counter()
-    result = plan(TrainConfig(model=model, task="causal-lm", max_length=1024, effective_batch=16), device="1080ti",
-                  seq_len=1024, allow=Allowed(lora=True, qlora=True), exact_trace=exact_trace)
-    return {"model": model, "exact_trace": exact_trace, "seconds": round(time.perf_counter() - started, 1),
+    before = os.environ.get(WORKERS_ENV)
+    if workers is not None:
+        os.environ[WORKERS_ENV] = str(workers)
+    try:
+        used = worker_count()
+        started = time.perf_counter()
+        result = plan(TrainConfig(model=model, task="causal-lm", max_length=1024, effective_batch=16),
+                      device="1080ti", seq_len=1024, allow=Allowed(lora=True, qlora=True), exact_trace=exact_trace)
+        seconds = round(time.perf_counter() - started, 1)
+    finally:
+        os.environ.pop(WORKERS_ENV, None)
+        if before is not None:
+            os.environ[WORKERS_ENV] = before
+    return {"model": model, "exact_trace": exact_trace, "workers": used, "seconds": seconds,
             "traces": result.traces, "verdict": result.verdict,
             "chosen": result.chosen.to_dict() if result.chosen else None}
 
 
-def llm_main(models: list[str], *, exact_too: bool, output: str | None) -> None:
+def llm_main(models: list[str], *, exact_too: bool, one_worker_too: bool, output: str | None) -> None:
     plan(TrainConfig(model="bert-base", effective_batch=8), device="1080ti", seq_len=16)  # warm-up, untimed
     records = []
+    runs = [(False, None), *([(False, 1)] if one_worker_too else []), *([(True, None)] if exact_too else [])]
     for model in models:
-        for exact in (False, True) if exact_too else (False,):
-            records.append(llm(model, exact_trace=exact))
+        for exact, workers in runs:
+            records.append(llm(model, exact_trace=exact, workers=workers))
             record = records[-1]
-            print(f"| {model} | {'full traces' if exact else 'shortened traces'} | {record['seconds']:.1f} s | "
-                  f"{record['traces']} | {record['verdict'][:90]} |", flush=True)
+            how = f"{'full' if exact else 'shortened'} traces, {record['workers']} process(es)"
+            print(f"| {model} | {how} | {record['seconds']:.1f} s | {record['traces']} | {record['verdict'][:90]} |",
+                  flush=True)
+    for record in records:
+        if not record["exact_trace"] and record["workers"] > 1:
+            alone = next((r for r in records if r["model"] == record["model"] and r["workers"] == 1
+                          and not r["exact_trace"]), None)
+            if alone is not None:
+                assert alone["verdict"] == record["verdict"], "traced side by side, the plan must be the same"
+                print(f"{record['model']}: {alone['seconds'] / record['seconds']:.2f}x faster with "
+                      f"{record['workers']} processes than one")
     for record in records:
         if not record["exact_trace"]:
             verdict = "meets" if record["seconds"] <= LLM_TARGET_SECONDS else "MISSES"
@@ -86,7 +109,7 @@ def llm_main(models: list[str], *, exact_too: bool, output: str | None) -> None:
                                "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
                    "date": datetime.date.today().isoformat(),
                    "command": "python benchmarks/plan_speed.py --llm " + " ".join(models)
-                   + (" --exact-too" if exact_too else "")}
+                   + (" --exact-too" if exact_too else "") + (" --one-worker-too" if one_worker_too else "")}
         with open(output, "w") as file:
             json.dump(payload, file, indent=1)
 
@@ -108,9 +131,11 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--llm", nargs="+", metavar="PRESET", help="plan these LLM presets instead (see above)")
     parser.add_argument("--exact-too", action="store_true", help="with --llm: also plan with full traces")
+    parser.add_argument("--one-worker-too", action="store_true",
+                        help="with --llm: also plan with one trace process (MEMFIT_TRACE_WORKERS=1), for the ratio")
     args = parser.parse_args()
     if args.llm:
-        llm_main(args.llm, exact_too=args.exact_too, output=args.json)
+        llm_main(args.llm, exact_too=args.exact_too, one_worker_too=args.one_worker_too, output=args.json)
         return
     plan(TrainConfig(model="bert-base", effective_batch=8), device="1080ti", seq_len=16)  # warm-up, untimed
     pairs = [("bert-base S128", "1080ti")] if args.quick else [(m, d) for m in MODELS for d in DEVICES]

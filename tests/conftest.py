@@ -24,6 +24,7 @@ from memfit.config import TrainConfig
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker (and per CLI it starts): no oversubscription
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    os.environ["MEMFIT_TRACE_WORKERS"] = "1"  # the planner's traces one at a time too (tests that fork say so)
 
 TINY_BERT: dict[str, Any] = {
     "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30522, "hidden_size": 32,

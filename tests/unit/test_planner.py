@@ -16,6 +16,7 @@ from memfit.errors import ConfigError
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner import Plan, load_plan, micro_batch_sizes, plan
 from memfit.planner.allowed import Allowed
+from memfit.report import format_bytes
 from tests.conftest import write_model_dir
 
 # Activations dominate this model's memory (small vocabulary, seq 64), so the budget decides the split.
@@ -374,3 +375,59 @@ def test_an_opt_in_stage_searches_its_setups_without_a_chunked_loss_too() -> Non
     assert {f.freeze for f in searched} == {"embeddings"}
     own = TrainConfig(task="causal-lm", loss_chunk=128)  # the run's own chunks stay
     assert _unchunked_too(chunked, own, "causal-lm") == chunked
+
+
+def test_opt_ins_whose_weights_alone_exceed_the_budget_are_not_traced(tmp_path: Path) -> None:
+    """Every full fine-tuning opt-in keeps the weights the least need keeps: when those alone exceed the budget,
+    the advice says so with their bytes and nothing of those opt-ins is traced."""
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm")
+    config = TrainConfig(model=str(model), max_length=16, effective_batch=2, task="causal-lm")
+    traces: dict[Any, Estimate] = {}
+    result = plan(config, device="cpu", budget=20_000, seq_len=16, cache=traces, precisions=("fp32",),
+                  allow=Allowed(eight_bit_optimizer=True))
+    least = estimate(dataclasses.replace(config, effective_batch=1), device="cpu", seq_len=16)  # the same weights
+    weights = sum(least.breakdown[name] for name in ("parameters", "frozen_parameters", "quantized_weights"))
+    assert result.chosen is None and 20_000 * 0.95 < weights
+    assert f"--allow-8bit-optimizer would not fit either: its weights alone need {format_bytes(weights)}" \
+        in result.verdict
+    assert f"--allow-freeze (embeddings) would not fit either: its weights alone need {format_bytes(weights)}" \
+        in result.verdict
+    traced = [json.loads(key[0]) for key in traces]
+    full = [c for c in traced if not c["lora_rank"]]
+    assert full and not [c for c in full if "8bit" in c["optimizer"] or c["freeze_embeddings"]
+                         or c["optimizer_in_backward"] or c["train_top_layers"]]
+    assert [c for c in traced if c["lora_rank"]]  # the adapters store their weights otherwise: traced
+
+
+@pytest.mark.slow
+def test_families_that_checkpoint_less_than_a_least_need_that_does_not_fit_are_not_traced(tmp_path: Path) -> None:
+    """A large vocabulary at 512 tokens: LoRA's least need fits with the loss in chunks and not without. The
+    unchunked families that checkpoint less are then ruled out untraced, and rightly (traced here: over too)."""
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"vocab_size": 4096, "max_position_embeddings": 1024})
+    config = TrainConfig(model=str(model), max_length=512, effective_batch=2, task="causal-lm")
+    traces: dict[Any, Estimate] = {}
+
+    def planned(budget: int, **options: Any) -> Plan:
+        return plan(config, device="cpu", budget=budget, seq_len=512, cache=traces, lora_rank=4,
+                    precisions=("fp32",), **options)
+
+    probe = planned(1000)
+    needs = {c.family.loss_chunk: c.predicted_peak_bytes or 0 for c in probe.candidates
+             if c.exact and c.family.technique == "lora" and c.family.checkpointing == "full"}
+    full = min(c.predicted_peak_bytes or 0 for c in probe.candidates if c.exact and c.family.technique == "full")
+    assert needs[256] < full < needs[None]
+    budget = int((needs[256] + full) / 2 / 0.95)  # LoRA in chunks fits, full fine-tuning does not
+    result = planned(budget, allow=Allowed(lora=True))
+    assert result.chosen is not None and result.chosen.family.technique == "lora"
+    assert result.chosen.family.loss_chunk == 256
+    ruled_out = [c for c in result.candidates if c.fits is False and c.predicted_peak_bytes is None]
+    assert {(c.family.checkpointing, c.family.loss_chunk) for c in ruled_out} == {("none", None), ("every-2", None)}
+    assert all(c.reason == f"not traced: checkpointing full needs {format_bytes(needs[None])} at micro-batch 1"
+               for c in ruled_out)
+    for candidate in ruled_out:  # the rule holds: each needs more than the budget at its least micro-batch
+        least = candidate.family.configure(config, micro_batch_size=1, effective_batch=2)
+        assert estimate(least, device="cpu", seq_len=512).peak_bytes > result.usable_bytes

@@ -297,8 +297,7 @@ def _least_need(search: Search, families: list[Family]) -> Candidate:
     LoRA base stored in 16 bits needs less than in fp32, so a LoRA that fits only in 16 bits is searched, not
     reported as not fitting; fp32 keeps no 16-bit copies of the weights, which autocast does."""
     leanest = dict.fromkeys(family for family in families if family.checkpointing == "full")
-    return min((search.exact_candidate(family, search.least_micro(family)) for family in leanest),
-               key=lambda candidate: candidate.predicted_peak_bytes or 0)
+    return min(search.exact_candidates(leanest), key=lambda candidate: candidate.predicted_peak_bytes or 0)
 
 
 STATE_BYTES = {"adamw": 8, "adamw8bit": 2}

@@ -131,7 +131,8 @@ class Candidate:
     exact: bool
     """From an exact trace of this setup (else from the family's line)."""
     fits: bool | None
-    """``None``: not traced, because it cannot beat the chosen setup."""
+    """``None``: not traced, because it cannot beat the chosen setup (``False`` without a peak: not traced,
+    because the same family checkpointing more does not fit)."""
     reason: str = ""
     relative_speed: float | None = None
     """Predicted samples/s relative to the chosen setup."""

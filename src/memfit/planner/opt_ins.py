@@ -115,16 +115,16 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
     assert smallest is not None
     bases: list[Family] = [smallest.family]
     advice: list[Advice] = []
-    for stage in stages(search, num_layers, allow):
-        if not (stage.allowed or suggest):
-            continue
+    tried = [stage for stage in stages(search, num_layers, allow) if stage.allowed or suggest]
+    weights = _Weights.of(search, smallest)
+    _prefetch_needs(search, tried, bases, task, weights)
+    for stage in tried:
         changed = [family for family in map(stage.change, bases) if family is not None]
         if not changed:
             continue
-        families = with_chunked_loss([dataclasses.replace(family, checkpointing=c) for family in changed
-                                      for c in CHECKPOINTING], search.base, task)
+        families = _stage_families(changed, search.base, task)
         try:
-            need = _need(search, stage.flag, families)
+            need = weights.exceeded(stage.flag, families) or _need(search, stage.flag, families)
         except ConfigError as error:  # not for this model (--allow-freeze's top layers of an encoder-decoder)
             advice.append(Advice(f"{stage.flag} does not apply: {error.problems[0]}"))
             continue
@@ -150,12 +150,62 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
     return None, advice
 
 
+def _stage_families(changed: list[Family], base: TrainConfig, task: str) -> list[Family]:
+    return with_chunked_loss([dataclasses.replace(family, checkpointing=c) for family in changed
+                              for c in CHECKPOINTING], base, task)
+
+
+@dataclass(frozen=True, slots=True)
+class _Weights:
+    """The weights of the least need found without opt-ins: what every setup that stores its weights the same
+    way keeps on the card for the whole step, whatever else it changes."""
+
+    family: Family
+    total_bytes: int
+    """The weights' bytes (trained, frozen and quantised, as traced) and the card's memory outside PyTorch."""
+    usable_bytes: int
+
+    @staticmethod
+    def of(search: Search, smallest: Candidate) -> _Weights:
+        breakdown = search.exact(smallest.family, smallest.micro_batch_size).breakdown
+        weights = sum(breakdown[name] for name in ("parameters", "frozen_parameters", "quantized_weights"))
+        return _Weights(smallest.family, weights + search.profile.non_pytorch_bytes, search.usable)
+
+    def exceeded(self, flag: str, families: list[Family]) -> Advice | None:
+        """The advice for ``families`` when they store their weights as the least need does and those alone
+        exceed the budget: no trace can show them fitting (else ``None``: they are traced)."""
+        if self.total_bytes <= self.usable_bytes or any(_stored(f) != _stored(self.family) for f in families):
+            return None
+        return Advice(f"{flag} would not fit either: its weights alone need {format_bytes(self.total_bytes)}")
+
+
+def _stored(family: Family) -> tuple[object, ...]:
+    """What decides how a family's weights are stored on the card: sharded or not, 16-bit or fp32 (mixed
+    precision keeps fp32 weights), adapters and a quantised base."""
+    return family.strategy, family.precision == "bf16-true", family.lora_rank, family.quantize_base
+
+
+def _prefetch_needs(search: Search, tried: list[Stage], bases: list[Family], task: str, weights: _Weights) -> None:
+    """The least needs of the stages up to the first allowed one, traced side by side: until a stage is
+    allowed, every stage builds on the same setups."""
+    requests = []
+    for stage in tried:
+        changed = [family for family in map(stage.change, bases) if family is not None]
+        families = _stage_families(changed, search.base, task)
+        if not weights.exceeded(stage.flag, families):
+            requests += [search.exact_request(family, search.least_micro(family))
+                         for family in families if family.checkpointing == "full"]
+        if stage.allowed:
+            break
+    search.prefetch(requests)
+
+
 def _need(search: Search, flag: str, families: list[Family]) -> Advice:
     """Whether the least of ``families`` fits the budget at this effective batch, and the advice line: fully
     checkpointed, micro-batch 1 (a step in backward: the whole window; when that does not fit, the largest
     window that does)."""
     least = [family for family in families if family.checkpointing == "full"]
-    needs = [search.exact_candidate(family, search.least_micro(family)) for family in least]
+    needs = search.exact_candidates(least)
     best = min(needs, key=lambda candidate: candidate.predicted_peak_bytes or 0)
     if best.fits:
         return Advice(f"{flag} would fit: it needs at least {format_bytes(best.predicted_peak_bytes or 0)}",

@@ -219,11 +219,18 @@ def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callab
     for family in search.considered:
         if family in search.lines:
             continue
-        best_case = search.global_batch / search.lower_bound_seconds(family)  # samples of all ranks, as above
+        proof = search.ruled_out.get(family)
+        bound = search.lower_bound_seconds(family)
+        # samples of all ranks, as above; a family ruled out before any like it was traced: its proof's speed
+        best_case = search.global_batch / bound if bound > 0 or proof is None else proof.predicted_samples_per_second
+        reason = "not traced: cannot beat the chosen" if proof is None else (
+            f"not traced: checkpointing {proof.family.checkpointing} needs "
+            f"{format_bytes(proof.predicted_peak_bytes or 0)} at micro-batch {proof.micro_batch_size}")
         pruned.append(Candidate(family=family, micro_batch_size=search.effective, accumulation_steps=1,
                                 predicted_peak_bytes=None, predicted_allocated_bytes=None, peak_phase=None,
-                                predicted_samples_per_second=best_case, exact=False, fits=None,
-                                reason="not traced: cannot beat the chosen", world_size=search.ranks(family)))
+                                predicted_samples_per_second=best_case, exact=False,
+                                fits=None if proof is None else False, reason=reason,
+                                world_size=search.ranks(family)))
     ranked = fitting + rest + pruned
     for candidate in ranked:
         if reference:

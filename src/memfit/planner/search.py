@@ -4,9 +4,10 @@ every micro-batch, confirm the fastest fitting setups with exact traces."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from memfit.devices import DeviceProfile
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
+from memfit.planner.workers import side_by_side
 
 BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
@@ -74,6 +76,9 @@ class Search:
         self.candidates: dict[tuple[Family, int], Candidate] = {}
         self.considered: list[Family] = []
         """Every family searched, traced or not."""
+        self.ruled_out: dict[Family, Candidate] = {}
+        """Families not traced because a family that checkpoints more does not fit at its least micro-batch (the
+        candidate that shows it)."""
 
     def ranks(self, family: Family) -> int:
         return self.world_size if family.ranks else 1
@@ -84,23 +89,57 @@ class Search:
         window's other inputs added); ``lean``: a one-micro-batch first step (the fit's points: the same
         allocated peak for a quarter fewer ops; the allocator's reserve can differ, so confirmations are not
         lean and equal ``memfit estimate``)."""
-        accumulate = accumulate and not family.optimizer_in_backward  # a window of one micro-batch there
-        lean = lean and accumulate  # a window of one micro-batch is lean already
-        key = (family, micro, accumulate, lean)
+        key, shared, config = self._request(family, micro, accumulate=accumulate, lean=lean)
         if key not in self.traces:
-            ranks = self.ranks(family)
-            config = family.configure(self.base, micro_batch_size=micro,
-                                      effective_batch=(2 * micro if accumulate else micro) * ranks)
-            shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
-                      self.num_labels, lean, self.exact_trace)  # a lean trace's reserve can differ
             if shared not in self.cache:
-                self.cache[shared] = estimate(config, device=self.profile, seq_len=self.seq_len,
-                                              image_size=self.image_size, num_labels=self.num_labels, steps=STEPS,
-                                              count_flops=True, lean_warmup=lean, exact_trace=self.exact_trace)
-                if self.progress is not None:
-                    self.progress(family.technique_label)
+                self.cache[shared] = self._estimate(config, lean=key[3])
+                self._told(family)
             self.traces[key] = self.cache[shared]
         return self.traces[key]
+
+    def prefetch(self, requests: Iterable[tuple[Family, int, bool, bool]]) -> None:
+        """Trace ``requests`` (family, micro-batch, accumulate, lean) not traced yet side by side
+        (:mod:`memfit.planner.workers`), ahead of the search asking for them one by one; a trace that fails
+        is left for the search to run, and raise, itself."""
+        missing: dict[Any, tuple[Family, TrainConfig, bool]] = {}
+        for family, micro, accumulate, lean in requests:
+            key, shared, config = self._request(family, micro, accumulate=accumulate, lean=lean)
+            if shared not in self.cache:
+                missing.setdefault(shared, (family, config, key[3]))
+        if len(missing) < 2:
+            return
+        jobs = [functools.partial(self._estimate, config, lean=lean) for _, config, lean in missing.values()]
+        for index, result in side_by_side(jobs):
+            if result is not None:
+                shared, (family, _, _) = list(missing.items())[index]
+                self.cache[shared] = result
+                self._told(family)
+
+    def _request(self, family: Family, micro: int, *, accumulate: bool,
+                 lean: bool) -> tuple[tuple[Family, int, bool, bool], Any, TrainConfig]:
+        """(the search's key, the shared cache's key, the config traced) of a trace."""
+        accumulate = accumulate and not family.optimizer_in_backward  # a window of one micro-batch there
+        lean = lean and accumulate  # a window of one micro-batch is lean already
+        config = family.configure(self.base, micro_batch_size=micro,
+                                  effective_batch=(2 * micro if accumulate else micro) * self.ranks(family))
+        shared = (json.dumps(config.to_dict(), sort_keys=True), self.profile, self.seq_len, self.image_size,
+                  self.num_labels, lean, self.exact_trace)  # a lean trace's reserve can differ
+        return (family, micro, accumulate, lean), shared, config
+
+    def _estimate(self, config: TrainConfig, *, lean: bool) -> Estimate:
+        return estimate(config, device=self.profile, seq_len=self.seq_len, image_size=self.image_size,
+                        num_labels=self.num_labels, steps=STEPS, count_flops=True, lean_warmup=lean,
+                        exact_trace=self.exact_trace)
+
+    def _told(self, family: Family) -> None:
+        if self.progress is not None:
+            self.progress(family.technique_label)
+
+    def line_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:
+        return family, micro, True, True
+
+    def exact_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:
+        return family, micro, math.ceil(self.effective / micro) > 1, False
 
     def line_point(self, family: Family, micro: int) -> Estimate:
         """A point of ``family``'s line at ``micro``: a lean trace (at the model's full depth: a deep model's
@@ -108,7 +147,8 @@ class Search:
         return self.trace(family, micro, accumulate=True, lean=True)
 
     def exact(self, family: Family, micro: int) -> Estimate:
-        return self.trace(family, micro, accumulate=math.ceil(self.effective / micro) > 1)
+        _, _, accumulate, _ = self.exact_request(family, micro)
+        return self.trace(family, micro, accumulate=accumulate)
 
     def fit(self, family: Family) -> None:
         """Trace ``family`` at its two largest micro-batches with accumulation and predict every split (a
@@ -120,6 +160,7 @@ class Search:
             return
         accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
         if accumulated:
+            self.prefetch(self.line_request(family, micro) for micro in accumulated[:2])
             traces = [self.line_point(family, micro) for micro in accumulated[:2]]
             self.lines[family] = _Line(traces[-1], traces[0] if len(traces) > 1 else None)
         else:  # an effective batch of 1: one setup, traced exactly
@@ -206,7 +247,11 @@ class Search:
         while True:
             best = self.best(confirmed=False)
             best_seconds = self.global_batch / best.predicted_samples_per_second if best else math.inf
+            for family in families:
+                if family not in self.lines and family not in self.ruled_out and (proof := self.ruling_out(family)):
+                    self.ruled_out[family] = proof
             open_families = [family for family in families if family not in self.lines
+                             and family not in self.ruled_out
                              and self.lower_bound_seconds(family) < best_seconds * (1 - 1e-9)]
             if open_families:
                 self.fit(min(open_families, key=lambda f: (self.lower_bound_seconds(f), order[f])))
@@ -219,12 +264,12 @@ class Search:
         Returns whether any prediction changed."""
         changed = False
         confirmed = 0
-        for candidate in sorted(self.candidates.values(), key=lambda c: -c.predicted_samples_per_second):
+        ranked = sorted(self.candidates.values(), key=lambda c: -c.predicted_samples_per_second)
+        self.prefetch(self.exact_request(c.family, c.micro_batch_size) for c in self._to_confirm(ranked))
+        for candidate in ranked:
             if confirmed == 2:
                 break
-            near = candidate.predicted_peak_bytes is not None and \
-                candidate.predicted_peak_bytes <= self.usable * (1 + BAND)
-            if not candidate.exact and (candidate.fits or near):
+            if self._unconfirmed(candidate):
                 self.exact(candidate.family, candidate.micro_batch_size)
                 updated = self.predict(candidate.family, candidate.micro_batch_size)
                 changed = changed or updated.fits != candidate.fits
@@ -232,6 +277,41 @@ class Search:
             if candidate.fits:
                 confirmed += 1
         return changed
+
+    def ruling_out(self, family: Family) -> Candidate | None:
+        """An exact trace showing ``family`` cannot fit, or ``None``: the same family checkpointing more, over
+        the budget at its least micro-batch (its least need). More checkpointing keeps less of a micro-batch,
+        and a larger micro-batch more, so no setup of ``family`` fits either; it is not traced."""
+        for checkpointing in CHECKPOINTING[CHECKPOINTING.index(family.checkpointing) + 1:]:
+            leaner = dataclasses.replace(family, checkpointing=checkpointing)
+            candidate = self.candidates.get((leaner, self.least_micro(leaner)))
+            if candidate is not None and candidate.exact and candidate.fits is False:
+                return candidate
+        return None
+
+    def _to_confirm(self, ranked: list[Candidate]) -> list[Candidate]:
+        """The setups :meth:`confirm` traces if every one confirmed fits as predicted."""
+        chosen: list[Candidate] = []
+        fitting = 0
+        for candidate in ranked:
+            if fitting == 2:
+                break
+            if self._unconfirmed(candidate):
+                chosen.append(candidate)
+            fitting += bool(candidate.fits)
+        return chosen
+
+    def _unconfirmed(self, candidate: Candidate) -> bool:
+        """A predicted setup that fits, or comes within ``BAND`` above the budget: :meth:`confirm` traces it."""
+        near = candidate.predicted_peak_bytes is not None and \
+            candidate.predicted_peak_bytes <= self.usable * (1 + BAND)
+        return not candidate.exact and (bool(candidate.fits) or near)
+
+    def exact_candidates(self, families: Iterable[Family]) -> list[Candidate]:
+        """Each of ``families`` at its least micro-batch from an exact trace, traced side by side."""
+        families = list(families)
+        self.prefetch(self.exact_request(family, self.least_micro(family)) for family in families)
+        return [self.exact_candidate(family, self.least_micro(family)) for family in families]
 
     def exact_candidate(self, family: Family, micro: int) -> Candidate:
         """``family`` at ``micro`` from an exact trace (without fitting the family's line)."""
@@ -249,8 +329,7 @@ class Search:
         lowest = min(c.predicted_peak_bytes or 0 for c in predicted)
         near = [c.family for c in predicted if (c.predicted_peak_bytes or 0) <= lowest * (1 + SMALLEST_BAND)
                 or c.family.loss_chunk is not None]  # their lines miss micro-batch 1 most (logits per chunk)
-        return min((self.exact_candidate(family, self.least_micro(family)) for family in near),
-                   key=lambda c: c.predicted_peak_bytes or 0)
+        return min(self.exact_candidates(near), key=lambda c: c.predicted_peak_bytes or 0)
 
     def least_micro(self, family: Family) -> int:
         """The micro-batch of ``family``'s least need at this effective batch: 1, or the whole window for a step

@@ -1,0 +1,115 @@
+"""Traces side by side: the independent traces of a plan run on every core of the machine.
+
+A plan asks for traces in batches whose members do not depend on each other: the least need at each
+precision with and without a chunked loss, what each opt-in would need, a family's two line points, the
+setups it confirms. Each trace is a pure function of its inputs (a config, the card, the sequence length), so
+:func:`side_by_side` forks a worker process per extra core for a batch (each inherits the loaded modules and
+the planner's caches: nothing is imported or sent but an index and the estimate that comes back) and this
+process traces too; each takes the next trace of the batch in turn. The plan's answer is the same as one
+process's, to the byte, and so is the number of traces it reports (a trace asked for ahead of need counts
+only when the search uses it).
+
+Trade-off: a fork per batch costs milliseconds, a trace asked for ahead of need may go unused (the second
+setup of a confirmation that changes the answer), and each worker holds its own copy of what it traces (a few
+hundred MB for an 8B model's shortened trace). Forking needs the ``fork`` start method (Linux and other Unix)
+and a process with one thread: a plan run from a thread (``memfit serve``) traces one at a time.
+``MEMFIT_TRACE_WORKERS`` caps the processes (``1``: this one only); by default, one per core this process may
+use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from memfit.errors import ConfigError
+
+WORKERS_ENV = "MEMFIT_TRACE_WORKERS"
+Result = TypeVar("Result")
+_JOBS: Sequence[Callable[[], Any]] = ()
+"""The batch being traced: workers forked while it is set read their jobs from it."""
+
+
+def worker_count() -> int:
+    """How many traces may run at once: ``MEMFIT_TRACE_WORKERS``, else the cores this process may use."""
+    value = os.environ.get(WORKERS_ENV)
+    if value is not None:
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"{WORKERS_ENV}={value!r}: give a whole number of processes, at least 1 (e.g. 2)")
+        return int(value)
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def can_fork() -> bool:
+    """Whether worker processes can be forked safely here: the ``fork`` start method, and this process runs
+    one thread (a fork copies only the calling thread; a lock another thread holds would stay held)."""
+    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+
+
+def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Result | None]]:
+    """Run ``jobs`` (each returning a picklable result), yielding ``(index, result)`` as each ends, in no
+    fixed order. A job that raises yields ``None``: the caller runs it again itself, where its error is
+    raised as usual."""
+    workers = min(worker_count(), len(jobs)) - 1  # this process is one of them
+    if workers < 1 or not can_fork():
+        for index, job in enumerate(jobs):
+            yield index, _quietly(job)
+        return
+    global _JOBS
+    context = multiprocessing.get_context("fork")
+    taken = context.Value("i", 0)
+    results: multiprocessing.Queue[tuple[int, Any]] = context.Queue()
+    _JOBS = jobs
+    processes = [context.Process(target=_work, args=(taken, results), daemon=True) for _ in range(workers)]
+    try:
+        for process in processes:
+            process.start()
+        done: set[int] = set()
+        while (index := _next(taken)) < len(jobs):
+            done.add(index)
+            yield index, _quietly(jobs[index])
+        while len(done) < len(jobs):
+            try:
+                index, result = results.get(timeout=1.0)
+            except queue.Empty:
+                if any(process.is_alive() for process in processes):
+                    continue
+                # a worker died without answering (killed): this process runs what is missing
+                for index in sorted(set(range(len(jobs))) - done):
+                    done.add(index)
+                    yield index, _quietly(jobs[index])
+                break
+            done.add(index)
+            yield index, result
+    finally:
+        _JOBS = ()
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        results.close()
+
+
+def _next(taken: Any) -> int:
+    with taken.get_lock():
+        index = int(taken.value)
+        taken.value = index + 1
+    return index
+
+
+def _work(taken: Any, results: multiprocessing.Queue[tuple[int, Any]]) -> None:
+    """A worker: the batch's next job until none is left, each result sent back."""
+    while (index := _next(taken)) < len(_JOBS):
+        results.put((index, _quietly(_JOBS[index])))
+
+
+def _quietly(job: Callable[[], Result]) -> Result | None:
+    try:
+        return job()
+    except Exception:  # the caller runs the job again, where its error is raised
+        return None

@@ -1,0 +1,81 @@
+"""Traces side by side: every job run once, the same plan as one process traces alone."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfit.config import TrainConfig
+from memfit.errors import ConfigError
+from memfit.planner import plan
+from memfit.planner.allowed import Allowed
+from memfit.planner.workers import WORKERS_ENV, can_fork, side_by_side, worker_count
+from tests.conftest import write_tiny_llm
+
+forking = pytest.mark.skipif(not can_fork(), reason="needs the fork start method and one thread")
+
+
+def _meet(place: Path, value: int) -> tuple[int, int]:
+    """A job that waits (30 s at most) until jobs have run in two processes: proof that a worker took one."""
+    (place / str(os.getpid())).touch()
+    deadline = time.monotonic() + 30
+    while len(list(place.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid(), value * value
+
+
+def _fails() -> int:
+    raise ValueError("a job that fails")
+
+
+@forking
+def test_every_job_runs_once_in_this_process_or_a_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    jobs = [functools.partial(_meet, tmp_path, value) for value in range(12)]
+    results = dict(side_by_side(jobs))
+    assert sorted(results) == list(range(12))
+    assert all(results[index] == (results[index][0], index * index) for index in results)
+    assert len({result[0] for result in results.values() if result is not None}) > 1  # workers took some
+    assert threading.active_count() == 1  # nothing left running: the next batch may fork again
+
+
+def test_a_failing_job_answers_none_for_the_caller_to_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        assert dict(side_by_side([lambda: 1, _fails, lambda: 3])) == {0: 1, 1: None, 2: 3}
+
+
+def test_the_worker_count_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS_ENV, "0")
+    with pytest.raises(ConfigError, match="MEMFIT_TRACE_WORKERS='0': give a whole number"):
+        worker_count()
+    monkeypatch.delenv(WORKERS_ENV)
+    assert worker_count() >= 1
+
+
+@pytest.mark.slow
+@forking
+def test_a_plan_traced_side_by_side_equals_one_traced_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no full fine-tuning fits: its least needs, every opt-in's need up to freezing (allowed), freezing's
+    # search and its confirmations run in batches
+    model = write_tiny_llm(tmp_path / "llm")
+    config = TrainConfig(model=str(model), task="causal-lm", max_length=64, effective_batch=2)
+    answers: list[dict[str, Any]] = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        told: list[str] = []
+        result = plan(config, device="cpu", budget="450KiB", seq_len=64, allow=Allowed(freeze=True),
+                      precisions=("fp32",), progress=told.append)
+        document = result.to_dict()
+        document.pop("seconds")
+        answers.append(document)
+        assert len(told) >= result.traces  # every trace told once, the ones asked for ahead of need too
+    assert json.dumps(answers[0], sort_keys=True) == json.dumps(answers[1], sort_keys=True)
+    assert answers[0]["chosen"] is not None and "would not fit either" in answers[0]["verdict"]
