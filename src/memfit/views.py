@@ -196,7 +196,8 @@ class TraceProgress:
         self.traces = 0
         self.families: set[str] = set()
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                  console=Console(stderr=True), transient=True)
+                                  console=Console(stderr=True), transient=True, auto_refresh=False)
+        # redrawn at each trace, not by rich's refresh thread: a plan with a thread alive cannot fork workers
         self._task = self._progress.add_task("planning", total=None)
         self._shown = False
 
@@ -209,6 +210,8 @@ class TraceProgress:
             self._shown = True
         self._progress.update(self._task, description=f"planning: {self.traces} traces of "
                                                        f"{len(self.families)} techniques, last {family}")
+        if self._shown:
+            self._progress.refresh()
 
     def __enter__(self) -> TraceProgress:
         return self

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import memfit.planner.search as search_module
+import memfit.planner.workers as workers_module
 from memfit.config import TrainConfig
 from memfit.errors import ConfigError
 from memfit.planner import plan
@@ -19,7 +22,14 @@ from memfit.planner.allowed import Allowed
 from memfit.planner.workers import WORKERS_ENV, can_fork, side_by_side, worker_count
 from tests.conftest import write_tiny_llm
 
-forking = pytest.mark.skipif(not can_fork(), reason="needs the fork start method and one thread")
+forking = pytest.mark.skipif(not can_fork(), reason="needs Linux and one thread")
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forks as from a process of one thread: tests run before these in the same process may leave idle
+    daemon threads (a served page's), which hold no lock the jobs here take."""
+    monkeypatch.setattr(workers_module.threading, "active_count", lambda: 1)
 
 
 def _meet(place: Path, value: int) -> tuple[int, int]:
@@ -31,11 +41,17 @@ def _meet(place: Path, value: int) -> tuple[int, int]:
     return os.getpid(), value * value
 
 
+def _noting_the_process(place: Path, job: Any) -> Any:
+    (place / str(os.getpid())).touch()
+    return job()
+
+
 def _fails() -> int:
     raise ValueError("a job that fails")
 
 
 @forking
+@pytest.mark.usefixtures("one_thread")
 def test_every_job_runs_once_in_this_process_or_a_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(WORKERS_ENV, "3")
     jobs = [functools.partial(_meet, tmp_path, value) for value in range(12)]
@@ -43,7 +59,24 @@ def test_every_job_runs_once_in_this_process_or_a_worker(tmp_path: Path, monkeyp
     assert sorted(results) == list(range(12))
     assert all(results[index] == (results[index][0], index * index) for index in results)
     assert len({result[0] for result in results.values() if result is not None}) > 1  # workers took some
-    assert threading.active_count() == 1  # nothing left running: the next batch may fork again
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("QueueFeederThread")]
+
+
+@forking
+@pytest.mark.usefixtures("one_thread")
+def test_workers_that_cannot_run_backward_leave_the_jobs_here_and_stop_the_forking(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # as on a machine with a GPU after the first backward: autograd's device threads do not survive a fork
+    def no_backward(*_: Any, **__: Any) -> None:
+        raise RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing")
+
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    monkeypatch.setattr(workers_module, "_fork_broken", False)
+    monkeypatch.setattr(torch.Tensor, "backward", no_backward)
+    results = dict(side_by_side([functools.partial(_noting_the_process, tmp_path, lambda: 7)] * 3))
+    assert results == {0: 7, 1: 7, 2: 7}
+    assert [path.name for path in tmp_path.iterdir()] == [str(os.getpid())]  # every job ran here
+    assert not can_fork()  # and the next batch is traced here too
 
 
 def test_a_failing_job_answers_none_for_the_caller_to_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,11 +95,17 @@ def test_the_worker_count_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 @forking
+@pytest.mark.usefixtures("one_thread")
 def test_a_plan_traced_side_by_side_equals_one_traced_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # no full fine-tuning fits: its least needs, every opt-in's need up to freezing (allowed), freezing's
     # search and its confirmations run in batches
     model = write_tiny_llm(tmp_path / "llm")
     config = TrainConfig(model=str(model), task="causal-lm", max_length=64, effective_batch=2)
+    processes = tmp_path / "processes"
+    processes.mkdir()
+    real = search_module.side_by_side
+    monkeypatch.setattr(search_module, "side_by_side", lambda jobs: real(
+        [functools.partial(_noting_the_process, processes, job) for job in jobs]))
     answers: list[dict[str, Any]] = []
     for workers in ("1", "2"):
         monkeypatch.setenv(WORKERS_ENV, workers)
@@ -77,5 +116,6 @@ def test_a_plan_traced_side_by_side_equals_one_traced_alone(tmp_path: Path, monk
         document.pop("seconds")
         answers.append(document)
         assert len(told) >= result.traces  # every trace told once, the ones asked for ahead of need too
+    assert len(list(processes.iterdir())) > 1  # workers traced some of the second plan
     assert json.dumps(answers[0], sort_keys=True) == json.dumps(answers[1], sort_keys=True)
     assert answers[0]["chosen"] is not None and "would not fit either" in answers[0]["verdict"]

@@ -161,22 +161,27 @@ class _Weights:
     way keeps on the card for the whole step, whatever else it changes."""
 
     family: Family
-    total_bytes: int
-    """The weights' bytes (trained, frozen and quantised, as traced) and the card's memory outside PyTorch."""
+    weights_bytes: int
+    """The weights' bytes: trained, frozen and quantised, as traced."""
+    outside_bytes: int
+    """The card's memory outside PyTorch (the CUDA context)."""
     usable_bytes: int
 
     @staticmethod
     def of(search: Search, smallest: Candidate) -> _Weights:
         breakdown = search.exact(smallest.family, smallest.micro_batch_size).breakdown
         weights = sum(breakdown[name] for name in ("parameters", "frozen_parameters", "quantized_weights"))
-        return _Weights(smallest.family, weights + search.profile.non_pytorch_bytes, search.usable)
+        return _Weights(smallest.family, weights, search.profile.non_pytorch_bytes, search.usable)
 
     def exceeded(self, flag: str, families: list[Family]) -> Advice | None:
         """The advice for ``families`` when they store their weights as the least need does and those alone
         exceed the budget: no trace can show them fitting (else ``None``: they are traced)."""
-        if self.total_bytes <= self.usable_bytes or any(_stored(f) != _stored(self.family) for f in families):
+        if self.weights_bytes + self.outside_bytes <= self.usable_bytes or \
+                any(_stored(f) != _stored(self.family) for f in families):
             return None
-        return Advice(f"{flag} would not fit either: its weights alone need {format_bytes(self.total_bytes)}")
+        outside = f" (with the {format_bytes(self.outside_bytes)} outside PyTorch)" if self.outside_bytes else ""
+        return Advice(f"{flag} would not fit either: its weights alone need {format_bytes(self.weights_bytes)}"
+                      + outside)
 
 
 def _stored(family: Family) -> tuple[object, ...]:

@@ -16,7 +16,7 @@ from memfit.devices import DeviceProfile
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
-from memfit.planner.workers import side_by_side
+from memfit.planner.workers import side_by_side, side_by_side_usable
 
 BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
@@ -101,6 +101,8 @@ class Search:
         """Trace ``requests`` (family, micro-batch, accumulate, lean) not traced yet side by side
         (:mod:`memfit.planner.workers`), ahead of the search asking for them one by one; a trace that fails
         is left for the search to run, and raise, itself."""
+        if not side_by_side_usable():  # one at a time: the search traces each when it needs it
+            return
         missing: dict[Any, tuple[Family, TrainConfig, bool]] = {}
         for family, micro, accumulate, lean in requests:
             key, shared, config = self._request(family, micro, accumulate=accumulate, lean=lean)
@@ -281,7 +283,12 @@ class Search:
     def ruling_out(self, family: Family) -> Candidate | None:
         """An exact trace showing ``family`` cannot fit, or ``None``: the same family checkpointing more, over
         the budget at its least micro-batch (its least need). More checkpointing keeps less of a micro-batch,
-        and a larger micro-batch more, so no setup of ``family`` fits either; it is not traced."""
+        and a larger micro-batch more, so no setup of ``family`` fits either; it is not traced. (The split
+        without accumulation is judged from that accumulated trace, as a family's line judges it. Not with
+        the activations offloaded, where checkpointing keeps a whole block on the card and no checkpointing
+        one node's; nor under FSDP, whose accumulation keeps unsharded gradients that one window does not.)"""
+        if family.offload_activations or family.strategy.startswith("fsdp"):
+            return None
         for checkpointing in CHECKPOINTING[CHECKPOINTING.index(family.checkpointing) + 1:]:
             leaner = dataclasses.replace(family, checkpointing=checkpointing)
             candidate = self.candidates.get((leaner, self.least_micro(leaner)))

@@ -11,10 +11,12 @@ only when the search uses it).
 
 Trade-off: a fork per batch costs milliseconds, a trace asked for ahead of need may go unused (the second
 setup of a confirmation that changes the answer), and each worker holds its own copy of what it traces (a few
-hundred MB for an 8B model's shortened trace). Forking needs the ``fork`` start method (Linux and other Unix)
-and a process with one thread: a plan run from a thread (``memfit serve``) traces one at a time.
-``MEMFIT_TRACE_WORKERS`` caps the processes (``1``: this one only); by default, one per core this process may
-use.
+hundred MB for an 8B model's shortened trace). Forking runs on Linux, from a process with one thread: a plan
+run from a thread (``memfit serve``) traces one at a time. On a machine with a GPU, torch's autograd starts a
+thread per device at a process's first backward, after which a forked child cannot run backward: a worker
+checks that first and, where it cannot, this process stops forking and traces one at a time from then on (a
+fresh ``memfit plan`` forks its first batch before any backward). ``MEMFIT_TRACE_WORKERS`` caps the
+processes (``1``: this one only); by default, one per core this process may use, at most :data:`MAX_WORKERS`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -29,7 +32,13 @@ from typing import Any, TypeVar
 from memfit.errors import ConfigError
 
 WORKERS_ENV = "MEMFIT_TRACE_WORKERS"
+MAX_WORKERS = 8
+"""Processes by default at most (each holds its own trace in memory)."""
+NO_BACKWARD = 3
+"""A worker's exit status when it cannot run backward (autograd's device threads, forked)."""
 Result = TypeVar("Result")
+_fork_broken = False
+"""A forked worker could not run backward: this process traces one at a time from then on."""
 _JOBS: Sequence[Callable[[], Any]] = ()
 """The batch being traced: workers forked while it is set read their jobs from it."""
 
@@ -42,13 +51,21 @@ def worker_count() -> int:
             raise ConfigError(f"{WORKERS_ENV}={value!r}: give a whole number of processes, at least 1 (e.g. 2)")
         return int(value)
     affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return min(MAX_WORKERS, len(affinity(0)) if affinity is not None else os.cpu_count() or 1)
 
 
 def can_fork() -> bool:
-    """Whether worker processes can be forked safely here: the ``fork`` start method, and this process runs
-    one thread (a fork copies only the calling thread; a lock another thread holds would stay held)."""
-    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+    """Whether worker processes can be forked safely here: Linux (macOS's system libraries are not safe to
+    fork), this process runs one thread (a fork copies only the calling thread; a lock another thread holds
+    would stay held), may have children (not a daemon) and has not seen a forked worker fail to run
+    backward."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1 \
+        and not multiprocessing.current_process().daemon and not _fork_broken
+
+
+def side_by_side_usable() -> bool:
+    """Whether :func:`side_by_side` runs jobs at once here (else one at a time)."""
+    return worker_count() > 1 and can_fork()
 
 
 def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Result | None]]:
@@ -60,15 +77,20 @@ def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Re
         for index, job in enumerate(jobs):
             yield index, _quietly(job)
         return
-    global _JOBS
+    global _JOBS, _fork_broken
     context = multiprocessing.get_context("fork")
     taken = context.Value("i", 0)
     results: multiprocessing.Queue[tuple[int, Any]] = context.Queue()
     _JOBS = jobs
     processes = [context.Process(target=_work, args=(taken, results), daemon=True) for _ in range(workers)]
+    completed = False
     try:
         for process in processes:
-            process.start()
+            try:
+                process.start()
+            except OSError:  # no memory or process left to fork: the workers started (if any) and this one
+                break
+        processes = [process for process in processes if process.pid is not None]
         done: set[int] = set()
         while (index := _next(taken)) < len(jobs):
             done.add(index)
@@ -77,6 +99,7 @@ def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Re
             try:
                 index, result = results.get(timeout=1.0)
             except queue.Empty:
+                _fork_broken = _fork_broken or any(p.exitcode == NO_BACKWARD for p in processes)
                 if any(process.is_alive() for process in processes):
                     continue
                 # a worker died without answering (killed): this process runs what is missing
@@ -86,12 +109,16 @@ def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Re
                 break
             done.add(index)
             yield index, result
+        completed = True
     finally:
         _JOBS = ()
         for process in processes:
+            if completed:  # no job left: each worker ends by itself (one may still be checking backward)
+                process.join(timeout=10.0)
             if process.is_alive():
                 process.terminate()
             process.join()
+        _fork_broken = _fork_broken or any(process.exitcode == NO_BACKWARD for process in processes)
         results.close()
 
 
@@ -103,7 +130,18 @@ def _next(taken: Any) -> int:
 
 
 def _work(taken: Any, results: multiprocessing.Queue[tuple[int, Any]]) -> None:
-    """A worker: the batch's next job until none is left, each result sent back."""
+    """A worker: the batch's next job until none is left, each result sent back. It first checks that it can
+    run backward (else it exits with :data:`NO_BACKWARD`, taking no job); Ctrl-C is the parent's to handle."""
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)  # fake tensors compute nothing; no thread pool inherited through a fork is used
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError:  # "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+        os._exit(NO_BACKWARD)
     while (index := _next(taken)) < len(_JOBS):
         results.put((index, _quietly(_JOBS[index])))
 
