@@ -109,3 +109,19 @@ def test_fused_attention_counts_its_flops_forward_and_backward() -> None:
         assert emulation.attention_flops == 4 * 2 * 2 * 4 * 4 * 8  # QK^T and PV
         output.sum().backward()
     assert emulation.attention_flops == 14 * 2 * 2 * 4 * 4 * 8  # + recomputed QK^T and four gradient matmuls
+
+
+@pytest.mark.parametrize("contiguous_query", [True, False])
+def test_fused_attention_outputs_are_laid_out_as_the_kernels_lay_them_out(contiguous_query: bool) -> None:
+    """Memory-efficient attention allocates (B, S, H, D) and returns it transposed, whatever the query's layout
+    (torch's meta function for it: ``empty(B, M, num_heads, Kv)``), so a (B, S, H*D) reshape of it copies
+    nothing; flash attention lays its output out like its query."""
+    shape = (2, 4, 8, 16)  # (B, H, S, D)
+    query = torch.randn(*shape) if contiguous_query else torch.randn(2, 8, 4, 16).transpose(1, 2)
+    with CudaEmulation((6, 1)):  # efficient
+        efficient = F.scaled_dot_product_attention(query, query, query)
+    with CudaEmulation((8, 0)), torch.autocast("cpu", dtype=torch.bfloat16):  # flash
+        flash = F.scaled_dot_product_attention(query, query, query)
+    assert efficient.shape == flash.shape == shape
+    assert efficient.transpose(1, 2).is_contiguous()
+    assert flash.stride() == query.stride()

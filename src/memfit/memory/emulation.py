@@ -123,11 +123,16 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                mask: torch.Tensor | None, lse_length: int, dropout: bool,
-                counter: CudaEmulation) -> torch.Tensor:
+                mask: torch.Tensor | None, lse_length: int, dropout: bool, counter: CudaEmulation,
+                kernel: str) -> torch.Tensor:
         counter.attention_flops += 4 * _attention_size(query, key)
         ctx.counter = counter
-        output = query.new_empty((*query.shape[:-1], value.shape[-1]))  # (B, H, S, D of the values)
+        if kernel == "efficient":  # allocated (B, S, H, D of the values) and returned transposed, whatever the
+            # query's layout: a (B, S, H*D) reshape of it is then a view, not a copy
+            output = query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+            output = output.transpose(1, 2)  # (B, H, S, Dv)
+        else:  # flash: laid out like its query (whose head size the values share)
+            output = torch.empty_like(query)  # (B, H, S, D)
         batch, heads = query.shape[0], query.shape[1]
         logsumexp = query.new_empty((batch, heads, lse_length), dtype=torch.float32)  # (B, H, S')
         rng_state = query.new_empty((2,), dtype=torch.int64) if dropout else query.new_empty((0,), dtype=torch.int64)
@@ -145,7 +150,7 @@ class _FusedAttention(torch.autograd.Function):
         grad_query = torch.empty_like(query)
         grad_key = torch.empty_like(key)
         grad_value = torch.empty_like(value)
-        return grad_query, grad_key, grad_value, None, None, None, None
+        return grad_query, grad_key, grad_value, None, None, None, None, None
 
 
 def _attention_size(query: torch.Tensor, key: torch.Tensor) -> int:
@@ -202,7 +207,7 @@ class CudaEmulation:
         length = query.shape[2]
         lse_length = length if kernel == "flash" else -(-length // 32) * 32
         output: torch.Tensor = _FusedAttention.apply(query, key, value, attn_mask, lse_length, dropout_p > 0,
-                                                            self)
+                                                     self, kernel)
         return output
 
 
