@@ -18,6 +18,7 @@ import transformers
 from torch import nn
 
 from memfit import data as datasets
+from memfit import distributed
 from memfit.config import TrainConfig
 from memfit.data.batches import CausalEncoder, Encoder, ImageEncoder, TextEncoder
 from memfit.data.packing import PackedEncoder, disable_cache, packing_problems
@@ -109,6 +110,7 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
                                              offload=config.offload_optimizer))
     problems.lines.extend(activation_offload_problems(config.offload_activations,
                                                       device.kind if device is not None else None))
+    problems.lines.extend(distributed.device_problems(config, device.kind if device is not None else None))
     spec = problems.collect(lambda: resolve_model(config.model, weights=True, log=log))
     task = resolve_task(config, spec)
     problems.lines.extend(packing_problems(config.packing, task, spec.hf_config if spec is not None else None))

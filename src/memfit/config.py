@@ -362,7 +362,7 @@ def _check_step_kernels(problems: Problems, config: TrainConfig) -> None:
     if config.offload_optimizer and "8bit" in config.optimizer:
         problems.add(f"--offload-optimizer runs torch's optimizers on the host; --optimizer {config.optimizer} keeps "
                      "bitsandbytes' 8-bit states on the card: use one or the other")
-    if config.offload_optimizer and (config.distributed != "none" or config.world_size > 1):
+    if config.offload_optimizer and several_processes(config):
         problems.add("--offload-optimizer is for one process; with several GPUs use --distributed fsdp --cpu-offload")
 
 
@@ -371,7 +371,7 @@ def _check_low_memory_full(problems: Problems, config: TrainConfig) -> None:
     from memfit.techniques.bf16_true import kahan_problems, uses_kahan
 
     problems.lines.extend(kahan_problems(config.kahan, precision=config.precision, optimizer=config.optimizer))
-    several = config.distributed != "none" or config.world_size > 1
+    several = several_processes(config)
     if config.precision == "bf16-true" and several:
         problems.add("--precision bf16-true trains in one process here; drop --distributed or use --precision bf16")
     if config.precision == "bf16-true" and config.offload_optimizer:
@@ -419,8 +419,9 @@ def _check_adapters(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--quantize-base {config.quantize_base} needs bitsandbytes: pip install 'memfit[lora]'")
     if config.merge and rank == 0:
         problems.add("--merge merges LoRA adapters into the base model; add --lora-rank or drop --merge")
-    if (rank or quantized) and config.distributed != "none":
-        problems.add("--lora-rank and --quantize-base train in one process; drop --distributed")
+    if config.quantize_base == "int8" and several_processes(config):
+        problems.add("--quantize-base int8 keeps its row scales on bitsandbytes' weight object, which DDP and FSDP "
+                     "replace with their own parameters; use --quantize-base nf4 with --distributed")
 
 
 
@@ -521,6 +522,15 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--world-size {config.world_size} needs --distributed ddp, fsdp or auto")
     if config.cpu_offload and config.distributed not in ("fsdp", "auto"):
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
+    if "8bit" in config.optimizer and config.distributed == "fsdp":
+        problems.add(f"--optimizer {config.optimizer}: bitsandbytes' 8-bit step runs on whole tensors, not on FSDP's "
+                     "sharded parameters; use --distributed ddp (every rank keeps the 8-bit states) or --optimizer "
+                     "adamw")
+
+
+def several_processes(config: TrainConfig) -> bool:
+    """Whether the run trains (or is estimated) as more than one process: a distributed strategy or ranks."""
+    return config.distributed != "none" or config.world_size > 1
 
 
 def _gpu_profile_problems(name: str, flag: str = "--device") -> list[str]:

@@ -108,6 +108,14 @@ def for_launch(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, world_size=launched) if launched > 1 else config
 
 
+def device_problems(config: TrainConfig, device_kind: str | None) -> list[str]:
+    """What the run's strategy cannot do on a device of ``device_kind`` (when known)."""
+    if config.cpu_offload and device_kind not in (None, "cuda"):
+        return [f"--cpu-offload moves FSDP's shards from a CUDA card to host memory; on a {device_kind} device they "
+                "are in host memory already: drop --cpu-offload"]
+    return []
+
+
 def replica_config(config: TrainConfig) -> TrainConfig:
     """One rank's share of a distributed run as a single-process run: its micro-batch and accumulation."""
     return dataclasses.replace(config, distributed="none", world_size=1, cpu_offload=False,

@@ -196,6 +196,12 @@ CASES: dict[str, tuple[Setup, str]] = {
                                    "--offload-activations moves saved activations from a CUDA card"),
     # --- more than one GPU ---
     "cpu-offload-without-fsdp": (lambda w: base(w, "--cpu-offload"), "--cpu-offload offloads FSDP shards"),
+    "cpu-offload-on-cpu": (lambda w: base(w, "--distributed", "fsdp", "--cpu-offload", "--device", "cpu"),
+                           "on a cpu device they are in host memory already"),
+    "8bit-optimizer-sharded": (lambda w: base(w, "--distributed", "fsdp", "--optimizer", "adamw8bit"),
+                               "not on FSDP's sharded parameters; use --distributed ddp"),
+    "int8-base-distributed": (lambda w: base(w, "--distributed", "ddp", "--lora-rank", "4", "--quantize-base",
+                                             "int8"), "use --quantize-base nf4 with --distributed"),
     "estimate-ranks-without-strategy": (lambda w: ["estimate", "--model", str(w / "bert"), "--world-size", "2"],
                                         "--world-size 2 needs --distributed ddp, fsdp or auto"),
     "plan-more-gpus-than-samples": (lambda w: ["plan", "--model", str(w / "bert"), "--gpus", "64"],

@@ -22,7 +22,7 @@ import torch
 from memfit.cli import main
 from memfit.config import TrainConfig
 from memfit.memory.estimate import estimate
-from tests.conftest import write_long_text_task
+from tests.conftest import write_long_text_task, write_pairs, write_tiny_llm
 from tests.helpers import assert_weights_close, train_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]  # its tests share module-scoped runs
@@ -39,12 +39,12 @@ def train_args(task: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
             "--output-dir", str(out), *extra]
 
 
-def torchrun(args: list[str], *, interrupt: str = "") -> subprocess.CompletedProcess[str]:
+def torchrun(args: list[str], *, interrupt: str = "", ranks: int = 2) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc-per-node 2 -m memfit ...`` (or the interrupting driver)."""
     target = [str(DRIVER)] if interrupt else ["-m", "memfit"]
     env = {**os.environ, "INTERRUPT": interrupt, "INTERRUPT_RANK": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *target, *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), *target, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 @pytest.fixture(scope="session")
@@ -65,11 +65,24 @@ def single(task: tuple[Path, Path], work: Path) -> Path:
     return out
 
 
-def per_rank_estimate(task: tuple[Path, Path], strategy: str) -> int:
+def per_rank_estimate(task: tuple[Path, Path], strategy: str, ranks: int = 2, **options: Any) -> int:
     model, _ = task
     config = TrainConfig(model=str(model), max_length=32, effective_batch=8, micro_batch_size=2, precision="fp32",
-                         distributed=strategy, world_size=2)
+                         distributed=strategy, world_size=ranks, **options)
     return estimate(config, device="cpu", seq_len=32).peak_bytes
+
+
+def assert_fsdp_peaks(peaks: list[int], predicted: int, layer: torch.nn.Module, *, either_way: bool = False) -> None:
+    """Each rank's measured peak is the per-rank estimate. The trace takes every collective as done at once; a
+    real one that completes late keeps its buffers a little longer: at most one layer's fp32 bytes more, and
+    (seen in one run of many, 8 bytes over) a few scalar bytes the collective holds meanwhile. ``either_way``:
+    with 4 processes on 2 cores a rank also measured up to one layer's bytes less in some runs (16,880 bytes under
+    in one of three; the cause is not pinned down), and ranks 2 and 3 take only the 30-token texts (samples r,
+    r + 4, ...), narrower than the estimate's full-width micro-batches (500-1,000 bytes under)."""
+    layer_bytes = 4 * sum(p.numel() for p in layer.parameters())
+    below = layer_bytes + 64 if either_way else 64
+    for peak in peaks:
+        assert predicted - below <= peak <= predicted + layer_bytes + 64, (peaks, predicted)
 
 
 def build_layer(model: Path) -> torch.nn.Module:
@@ -119,13 +132,7 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path
     predicted = per_rank_estimate(task, "fsdp")
     replica = per_rank_estimate(task, "ddp")
     assert predicted < replica  # sharded parameters, gradients and optimizer state
-    # The trace takes every collective as done at once. A real reduce-scatter that completes late keeps its
-    # layer's gradient buffer a little longer: at most one layer's fp32 gradients more, and (seen in one run of
-    # many, 8 bytes over) a few scalar bytes the collective holds meanwhile: 64 bytes of slack either way.
-    model, _ = task
-    layer_bytes = 4 * sum(p.numel() for p in build_layer(model).parameters())
-    for peak in summary["per_rank_training_peak_bytes"]:
-        assert predicted - 64 <= peak <= predicted + layer_bytes + 64
+    assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]))
     shards = sorted(path.name for path in (out / "checkpoints" / "step-00000004" / "dcp").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard
 
@@ -156,3 +163,62 @@ def test_sigterm_to_one_rank_stops_both_and_the_sharded_checkpoint_resumes_exact
     shutil.rmtree(one / "checkpoints" / "step-00000004")
     assert main(train_args(task, one, "--distributed", "fsdp", "--resume", str(checkpoint))) == 0
     assert_weights_close(one, reference, atol=1e-6)
+
+
+@pytest.fixture(scope="session")
+def single_lora(task: tuple[Path, Path], work: Path) -> Path:
+    out = work / "single-lora"
+    assert main(train_args(task, out, "--lora-rank", "4")) == 0
+    return out
+
+
+@pytest.mark.parametrize(("strategy", "ranks"), [("ddp", 2), ("fsdp", 4)])
+def test_lora_on_several_ranks_trains_the_adapter_one_process_trains(
+        task: tuple[Path, Path], single_lora: Path, work: Path, strategy: str, ranks: int) -> None:
+    """LoRA replicated (DDP, 2 ranks) and sharded (FSDP2, 4 ranks): the adapter one process trains, and each
+    rank's peak is the per-rank estimate (DDP's to the byte)."""
+    out = work / f"{strategy}-lora"
+    result = torchrun(train_args(task, out, "--lora-rank", "4", "--distributed", strategy, "--save-every", "2",
+                                 "--json"), ranks=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_of(result)
+    assert (summary["world_size"], summary["distributed"], summary["accumulation_steps"]) == (ranks, strategy,
+                                                                                              4 // ranks)
+    assert_weights_close(out, single_lora, atol=1e-6)
+    predicted = per_rank_estimate(task, strategy, ranks, lora_rank=4)
+    if strategy == "ddp":
+        assert summary["per_rank_training_peak_bytes"] == [predicted] * ranks
+    else:
+        assert predicted < per_rank_estimate(task, "fsdp", ranks)  # the frozen base has no gradient or state
+        assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]), either_way=True)
+        # its sharded checkpoint of step 2 resumes on one process (resharded): the same adapter
+        one = work / "fsdp-lora-one-rank"
+        shutil.copytree(out, one)
+        shutil.rmtree(one / "checkpoints" / "step-00000004")
+        assert main(train_args(task, one, "--lora-rank", "4", "--distributed", "fsdp", "--resume")) == 0
+        assert_weights_close(one, out, atol=1e-6)
+
+
+def test_fsdp_trains_qlora_with_checkpointing_and_a_chunked_loss_as_one_process_does(work: Path) -> None:
+    """A causal LM on packed rows (every micro-batch full width), its base in NF4: FSDP2 shards the packed 4-bit
+    storage (uint8, which it gathers byte for byte and never casts), and each rank's peak is the estimate."""
+    model = write_tiny_llm(work / "llm", config={"hidden_size": 64, "intermediate_size": 128})
+    data = write_pairs(work / "pairs.jsonl", count=96)
+    options = ["--lora-rank", "4", "--quantize-base", "nf4", "--checkpointing", "full", "--loss-chunk", "16",
+               "--packing"]
+    args = ["train", "--model", str(model), "--data", str(data), "--max-length", "32", "--effective-batch", "8",
+            "--micro-batch-size", "2", "--precision", "fp32", "--max-steps", "3", "--lr", "1e-3", "--seed", "0",
+            "--log-every", "1", *options]
+    assert main([*args, "--output-dir", str(work / "single-qlora")]) == 0
+    result = torchrun([*args, "--output-dir", str(work / "fsdp-qlora"), "--distributed", "fsdp", "--json"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_weights_close(work / "fsdp-qlora", work / "single-qlora", atol=1e-6)
+    config = TrainConfig(model=str(model), task="causal-lm", max_length=32, effective_batch=8, micro_batch_size=2,
+                         precision="fp32", distributed="fsdp", world_size=2, lora_rank=4, quantize_base="nf4",
+                         checkpointing="full", loss_chunk=16, packing=True)
+    import transformers
+
+    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    layer = built.model.layers[0]
+    assert_fsdp_peaks(summary_of(result)["per_rank_training_peak_bytes"],
+                      estimate(config, device="cpu", seq_len=32).peak_bytes, layer)

@@ -277,6 +277,39 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
     assert (row["lora_rank"], row["quantize_base"], row["offload_optimizer"]) == (4, "nf4", False)
 
 
+@pytest.mark.slow
+def test_lora_and_qlora_are_planned_on_several_gpus(tmp_path: Path) -> None:
+    """With --gpus 2 the adapters are planned replicated (DDP) and sharded (FSDP2) as full fine-tuning is: a
+    LoRA is chosen where full fine-tuning fits on neither, its peak the per-rank estimate of the config it
+    writes; an 8-bit optimizer is planned with DDP only (its step does not run on sharded parameters)."""
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 128, "intermediate_size": 256})
+    config = TrainConfig(model=str(model), max_length=16, effective_batch=2, task="causal-lm")
+    traces: dict[Any, Estimate] = {}
+
+    def planned(budget: int, **options: Any) -> Plan:
+        return plan(config, device="cpu", budget=int(budget / 0.95), seq_len=16, cache=traces, lora_rank=4,
+                    precisions=("fp32",), gpus=2, **options)
+
+    # nothing fits: the least need of each technique allowed
+    probe = planned(1000, allow=Allowed(eight_bit_optimizer=True, lora=True, qlora=True), suggest=False)
+    exact = [c for c in probe.candidates if c.exact]
+    needs = {technique: min(c.predicted_peak_bytes or 0 for c in exact if c.family.technique == technique)
+             for technique in ("full", "lora", "qlora")}
+    assert needs["full"] > needs["lora"] > needs["qlora"]
+    assert {c.family.strategy for c in exact if c.family.technique == "lora"} == {"ddp", "fsdp"}
+    assert all(c.world_size == 2 for c in exact)
+    eight_bit = {c.family.strategy for c in exact if "8bit" in c.family.optimizer}
+    assert eight_bit == {"ddp"}
+
+    made = planned((needs["lora"] + needs["full"]) // 2, allow=Allowed(lora=True))
+    assert made.chosen is not None and made.chosen.family.technique == "lora" and made.chosen.world_size == 2
+    run = made.to_config()
+    assert (run.lora_rank, run.world_size, run.distributed) == (4, 2, made.chosen.family.strategy)
+    assert estimate(run, device="cpu", seq_len=16).total_bytes == made.chosen.predicted_peak_bytes
+
+
 def test_bitsandbytes_techniques_are_offered_only_where_its_kernels_run() -> None:
     from memfit.planner.choose import adapter_problem
     from memfit.planner.opt_ins import bitsandbytes_problem

@@ -197,6 +197,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
         problems.lines.extend(precision_problems)
         problems.lines.extend(optimizer_problems(config.optimizer, profile.kind, offload=config.offload_optimizer))
         problems.lines.extend(activation_offload_problems(config.offload_activations, profile.kind))
+        problems.lines.extend(distributed.device_problems(config, profile.kind))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(architecture_problems(spec.hf_config))
@@ -401,7 +402,7 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
                                           cpu_offload=config.cpu_offload)
-                tracker.relabel(list(model.parameters()), "parameters")
+                tracker.relabel_module(model)
             run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
@@ -541,9 +542,12 @@ def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimi
 
 def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int | None = None) -> str:
     """The strategy a distributed config runs: ``auto`` is FSDP when one rank's replica does not fit
-    ``budget_bytes`` (default: the card's memory; DDP where there is no fixed budget, as on CPU)."""
+    ``budget_bytes`` (default: the card's memory; DDP where there is no fixed budget, as on CPU, and with an
+    8-bit optimizer, whose step does not run on FSDP's sharded parameters)."""
     if config.distributed != "auto":
         return config.distributed
+    if "8bit" in config.optimizer:
+        return "ddp"
     budget = budget_bytes or (profile.memory_bytes if profile.kind == "cuda" else None)
     if budget is None:
         return "ddp"

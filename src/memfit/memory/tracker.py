@@ -82,6 +82,17 @@ def quantized_op_cost(name: str, args: Any, out: Any) -> tuple[int, int]:
     return 0, 0
 
 
+def _weight_categories(module: torch.nn.Module) -> list[tuple[list[torch.Tensor], str]]:
+    """The module's weights by category, most specific first: packed quantised weights and their state, the
+    trained parameters, the frozen ones and the buffers."""
+    from memfit.techniques.quantized_base import quantized_tensors
+
+    parameters = list(module.parameters())
+    return [(quantized_tensors(module), "quantized_weights"),
+            ([p for p in parameters if p.requires_grad], "parameters"),
+            ([p for p in parameters if not p.requires_grad] + list(module.buffers()), "frozen_parameters")]
+
+
 class StorageTracker(TorchDispatchMode):
     def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None,
                  budget_bytes: int | None = None, count_flops: bool = False) -> None:
@@ -189,15 +200,17 @@ class StorageTracker(TorchDispatchMode):
         state), ``parameters`` (trained), ``frozen_parameters`` (and buffers). A language model's logits, and
         what the loss makes of them in the same phase (the fp32 copy, log-softmax), count as
         ``logits_and_loss``."""
-        from memfit.techniques.quantized_base import quantized_tensors
-
-        self.track(*quantized_tensors(module), category="quantized_weights")
-        parameters = list(module.parameters())
-        self.track(*(p for p in parameters if p.requires_grad), category="parameters")
-        self.track(*(p for p in parameters if not p.requires_grad), *module.buffers(), category="frozen_parameters")
+        for tensors, category in _weight_categories(module):  # the first category a storage is in
+            self.track(*tensors, category=category)
         head = getattr(module, "get_output_embeddings", lambda: None)()
         if isinstance(head, torch.nn.Module):
             head.register_forward_pre_hook(self._logits_start)
+
+    def relabel_module(self, module: torch.nn.Module) -> None:
+        """The module's weights made while tracking (FSDP2's shards, which replace its parameters) in the
+        categories :meth:`track_module` gives them."""
+        for tensors, category in reversed(_weight_categories(module)):
+            self.relabel(tensors, category)
 
     def _logits_start(self, module: torch.nn.Module, args: Any) -> None:
         if self._phase is not None:

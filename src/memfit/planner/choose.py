@@ -80,7 +80,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     advice: list[Advice] = []
     if chosen is None:
         chosen, advice = opt_ins(search, smallest, spec.num_layers, allow, suggest=suggest, task=inputs.task)
-    if chosen is None and not base.lora_rank and base.world_size == 1 and (suggest or allow.adapters):
+    if chosen is None and not base.lora_rank and (suggest or allow.adapters):
         stages = {name: allowed for name, allowed in (("lora", allow.lora), ("qlora", allow.qlora))
                   if allowed or suggest}
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
@@ -270,12 +270,12 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             continue
         quantized = "nf4" if technique == "qlora" else "none"
         families = with_chunked_loss([
-            Family(precision=p, checkpointing=c, kernels=default_kernels(o, "none", profile), optimizer=o,
+            Family(precision=p, checkpointing=c, kernels=default_kernels(o, s, profile), optimizer=o, strategy=s,
                    lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
-            for o in optimizers for p in precisions for c in CHECKPOINTING], search.base, task)
+            for s in strategies(search.base, profile) for o in optimizers if runs_sharded(o) or not s.startswith("fsdp")
+            for p in precisions for c in CHECKPOINTING], search.base, task)
         try:
-            need = _least_need(search, [dataclasses.replace(family, optimizer=optimizers[-1], kernels=default_kernels(
-                optimizers[-1], "none", profile)) for family in families])
+            need = _least_need(search, [_leanest_step(family, optimizers, profile) for family in families])
         except ConfigError as error:  # an architecture the technique does not reach: advice, not the plan's end
             advice.append(Advice(f"{flag} does not apply: {error.problems[0]}"))
             continue
@@ -288,6 +288,18 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             if chosen is not None:
                 return chosen
     return None
+
+
+def runs_sharded(optimizer: str) -> bool:
+    """Whether ``optimizer``'s step runs on FSDP's sharded parameters (bitsandbytes' 8-bit step does not)."""
+    return "8bit" not in optimizer
+
+
+def _leanest_step(family: Family, optimizers: tuple[str, ...], profile: DeviceProfile) -> Family:
+    """``family`` with the leanest of ``optimizers`` its strategy runs (the last one, 8-bit when allowed)."""
+    optimizer = next(o for o in reversed(optimizers) if runs_sharded(o) or not family.strategy.startswith("fsdp"))
+    return dataclasses.replace(family, optimizer=optimizer,
+                               kernels=default_kernels(optimizer, family.strategy, profile))
 
 
 def _least_need(search: Search, families: list[Family]) -> Candidate:

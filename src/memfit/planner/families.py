@@ -213,9 +213,12 @@ def leaner_kernels(family: Family) -> list[str]:
 
 def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
     """What a plan for ``base.world_size`` ranks may choose from: replicate first, then shard, then offload
-    (CUDA only; on CPU the shards already live in host memory)."""
+    (CUDA only; on CPU the shards already live in host memory). An 8-bit optimizer replicates: its step does
+    not run on FSDP's sharded parameters."""
     if base.world_size == 1:
         return ("none",)
+    if "8bit" in base.optimizer:
+        return ("ddp",)
     offload = ("fsdp-offload",) if profile.kind == "cuda" else ()
     if base.distributed == "ddp":
         return ("ddp",)

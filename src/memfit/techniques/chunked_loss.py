@@ -83,7 +83,7 @@ def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
     base_of: Any = getattr(model, "get_base_model", None)
     inner: Any = base_of() if callable(base_of) else model  # under PEFT: the model it wraps
-    if isinstance(inner, FSDPModule) or not hasattr(inner, "get_output_embeddings"):
+    if isinstance(model, FSDPModule) or isinstance(inner, FSDPModule) or not hasattr(inner, "get_output_embeddings"):
         return None  # a sharded (or wrapped) model runs its own forward: its root gathers the head
     if adds_router_loss(inner):
         return None  # the load-balancing loss comes from the whole model's forward

@@ -95,6 +95,7 @@ def _quantized(linear: nn.Linear, kind: str, compute_dtype: torch.dtype) -> Any:
         if fake:  # Params4bit cannot wrap a fake tensor: a plain frozen parameter with the same storage
             parameter = nn.Parameter(packed, requires_grad=False)
             parameter.quant_state = state  # type: ignore[attr-defined]
+            module.register_forward_pre_hook(_fake_quant_state)
         else:
             parameter = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=NF4_BLOCKSIZE,
                                           compress_statistics=True, quant_type="nf4", module=module,
@@ -116,6 +117,13 @@ def _quantized(linear: nn.Linear, kind: str, compute_dtype: torch.dtype) -> Any:
     if bias:
         module.bias = nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
     return module
+
+
+def _fake_quant_state(module: Any, args: Any) -> None:
+    """A traced 4-bit layer's state on the weight FSDP2 gathered for its forward (a plain parameter, which
+    bitsandbytes re-wraps as ``Params4bit`` in a real run, sharing its storage; it cannot wrap a fake tensor)."""
+    if getattr(module.weight, "quant_state", None) is None:
+        module.weight.quant_state = module.quant_state
 
 
 def frozen_int8_forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
