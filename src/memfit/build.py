@@ -94,6 +94,14 @@ class Prepared:
         return ImageEncoder.build(examples, self.spec.image_size, self.spec.num_channels)
 
 
+def device_problems(config: TrainConfig, device_kind: str | None) -> list[str]:
+    """What the optimizer, the activation offload and the distributed strategy cannot do on a device of
+    ``device_kind`` (when known)."""
+    return [*optimizer_problems(config.optimizer, device_kind, offload=config.offload_optimizer),
+            *activation_offload_problems(config.offload_activations, device_kind),
+            *distributed.device_problems(config, device_kind)]
+
+
 def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> Prepared:
     """Validate ``config`` against the device, the model and the data; raise once with every problem.
     ``log`` hears of slow one-time work (converting a packaged model)."""
@@ -106,11 +114,7 @@ def prepare(config: TrainConfig, *, log: Callable[[str], None] | None = None) ->
                                                                force_cpu_fp16=config.force_cpu_fp16,
                                                                force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
-    problems.lines.extend(optimizer_problems(config.optimizer, device.kind if device is not None else None,
-                                             offload=config.offload_optimizer))
-    problems.lines.extend(activation_offload_problems(config.offload_activations,
-                                                      device.kind if device is not None else None))
-    problems.lines.extend(distributed.device_problems(config, device.kind if device is not None else None))
+    problems.lines.extend(device_problems(config, device.kind if device is not None else None))
     spec = problems.collect(lambda: resolve_model(config.model, weights=True, log=log))
     task = resolve_task(config, spec)
     problems.lines.extend(packing_problems(config.packing, task, spec.hf_config if spec is not None else None))

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
+from memfit.commands import launcher
 from memfit.config import TrainConfig, from_mapping, load_config_file
 from memfit.dependencies import check_transformers
 from memfit.errors import ConfigError, MemfitError, NothingFits, messages
@@ -25,6 +26,7 @@ from memfit.views import (
     print_cached_models,
     print_devices,
     print_estimate,
+    print_gpu_count,
     print_plan,
     print_quantize,
 )
@@ -57,6 +59,8 @@ def run_plan(args: argparse.Namespace) -> int:
         device=args.device, budget=args.budget, margin=args.margin, gpus=args.gpus, distributed=args.distributed,
         precision=args.precision, optimizer=args.optimizer, allow=Allowed.of(args), lora_rank=args.lora_rank,
         exact_trace=args.exact_trace, options=load_config_file(args.config) if args.config else {})
+    if args.max_gpus is not None:
+        return _plan_gpu_count(request, args)
     with contextlib.nullcontext(None) if args.json else TraceProgress() as progress:
         result = request.run(progress=progress)
     if args.save:
@@ -73,6 +77,27 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"saved to {args.save}; train with: memfit train --plan {args.save}")
     if result.chosen is None:
         sys.stderr.write(f"memfit: nothing fits: {result.verdict.removeprefix('nothing fits ')}\n")
+        return 1
+    return 0
+
+
+def _plan_gpu_count(request: Any, args: argparse.Namespace) -> int:
+    """``memfit plan --max-gpus N``: every technique on every number of GPUs up to N."""
+    from memfit.planner.gpu_count import plan_gpu_count
+
+    with contextlib.nullcontext(None) if args.json else TraceProgress() as progress:
+        counted = plan_gpu_count(request, args.max_gpus, progress=progress)
+    chosen = counted.chosen
+    if args.save and chosen is not None:
+        chosen.plan.save(args.save)
+    if args.json:
+        print(json.dumps(counted.to_dict()))
+    else:
+        print_gpu_count(Console(width=max(Console().width, 150)), counted)
+        if args.save and chosen is not None:
+            print(f"saved to {args.save}; train with: {' '.join(launcher(chosen.gpus))} train --plan {args.save}")
+    if chosen is None:
+        sys.stderr.write(f"memfit: nothing fits: {counted.verdict().split('; ', 1)[-1]}\n")
         return 1
     return 0
 
@@ -175,10 +200,8 @@ def with_command(error: NothingFits, words: list[str], *, given: tuple[str, ...]
                     if any(flag not in given for flag in fix)), None)
     if missing is None:
         return error.verdict
-    ranks = launched_world_size()
-    launcher = ["torchrun", f"--nproc-per-node={ranks}", "-m", "memfit"] if ranks > 1 else ["memfit"]
     kept = [word for word in words if word != "--dry-run"]
-    command = " ".join([*launcher, *(shlex.quote(word) for word in kept), *missing])
+    command = " ".join([*launcher(launched_world_size()), *(shlex.quote(word) for word in kept), *missing])
     return f"{error.verdict}; to train with the first: {command}"
 
 

@@ -29,9 +29,12 @@ def train_words(config: TrainConfig) -> list[str]:
         value = getattr(config, action.dest)
         if value != defaults[action.dest]:
             words += _option(action, value)
-    launcher = ["memfit"] if config.world_size == 1 else [
-        "torchrun", f"--nproc-per-node={config.world_size}", "-m", "memfit"]
-    return [*launcher, "train", *words]
+    return [*launcher(config.world_size), "train", *words]
+
+
+def launcher(ranks: int) -> list[str]:
+    """What runs memfit on ``ranks`` processes: ``memfit``, or ``torchrun --nproc-per-node=N -m memfit``."""
+    return ["torchrun", f"--nproc-per-node={ranks}", "-m", "memfit"] if ranks > 1 else ["memfit"]
 
 
 def train_command(config: TrainConfig) -> str:

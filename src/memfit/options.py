@@ -276,6 +276,10 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--gpus", type=int, help="plan one rank of N GPUs (the budget is each one's): also choose "
                                                  "DDP, FSDP or FSDP with CPU offload; the effective batch is global "
                                                  "[1]")
+    budget.add_argument("--max-gpus", type=int, metavar="N",
+                        help="plan every number of GPUs from 1 to N: the fewest each technique needs (full "
+                             "fine-tuning, and LoRA/QLoRA with --allow-lora/--allow-qlora) and the fastest setup "
+                             "at each count")
     allowed = parser.add_argument_group("what the plan may change (the effective batch never)")
     allowed.add_argument("--precision", choices=PRECISIONS, default="auto",
                          help="plan only this precision [auto: fp32 and the device's low precision]")

@@ -56,6 +56,45 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
                   "non-PyTorch memory; speed from the FLOP/overhead cost model (memfit.planner)")
 
 
+def print_gpu_count(console: Console, counted: Any) -> None:
+    """``memfit plan --max-gpus``: each technique's setup per number of GPUs, the fewest each needs, and the
+    command that trains the chosen one."""
+    from rich.table import Table
+
+    from memfit.report import format_bytes
+
+    first = counted.cells[0].plan
+    shape = (f"seq len {first.sequence_length}" if first.sequence_length is not None
+             else f"image {first.image_size}px")
+    console.print(f"[bold]memfit plan[/]: {first.model} on up to {counted.max_gpus} x {first.device_description}, "
+                  f"effective batch {first.effective_batch} over all GPUs, {shape}, budget "
+                  f"{format_bytes(first.budget_bytes)} per GPU ({format_bytes(first.usable_bytes)} usable)")
+    table = Table(caption="per GPU: the fastest setup that fits, its peak and the predicted samples/s of all GPUs "
+                          "together; else the least any setup needs")
+    table.add_column("GPUs", justify="right")
+    for technique in counted.techniques:
+        table.add_column(counted.label(technique))
+    for gpus in sorted({cell.gpus for cell in counted.cells}):
+        row = [str(gpus)]
+        for technique in counted.techniques:
+            cell = next(c for c in counted.cells if c.technique == technique and c.gpus == gpus)
+            chosen = cell.plan.chosen
+            row.append(f"[green]{chosen.describe()}: {format_bytes(chosen.predicted_peak_bytes or 0)}, "
+                       f"{chosen.predicted_samples_per_second:.2f}/s" if chosen is not None else
+                       f"[red]needs at least {format_bytes(cell.least_bytes)}" if cell.least_bytes is not None
+                       else "[red]does not fit")
+        table.add_row(*row)
+    console.print(table)
+    for technique, why in counted.skipped.items():
+        console.print(f"{counted.label(technique)} not planned: {why}")
+    console.print(counted.verdict())
+    chosen = counted.chosen
+    if chosen is not None:
+        from memfit.commands import train_command
+
+        console.print(f"train with: {train_command(chosen.plan.to_config())}", soft_wrap=True)
+
+
 def print_devices(console: Console) -> None:
     from rich.table import Table
 

@@ -94,3 +94,21 @@ def test_nothing_fits_is_one_clear_answer(task: tuple[Path, Path], tmp_path: Pat
     assert len(lines) == 1 and lines[0].startswith("memfit: error: nothing fits") and "Traceback" not in \
         trained.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_max_gpus_prints_each_count_the_fewest_gpus_and_saves_the_chosen_plan(
+        task: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every count up to --max-gpus is planned and shown; with a budget one GPU meets, the fewest is 1 and the
+    saved plan is that one GPU's, which memfit train --plan reads."""
+    model, _ = task
+    saved = tmp_path / "plan.json"
+    result = in_process(["plan", "--model", str(model), "--seq-len", "32", "--effective-batch", "8", "--device",
+                         "cpu", "--budget", "64MiB", "--precision", "fp32", "--max-gpus", "2", "--save",
+                         str(saved)], capsys)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # as printed, less the console's wrapping
+    assert "on up to 2 x host CPU, effective batch 8 over all GPUs" in text and "budget 64.0 MiB per GPU" in text
+    assert "fewest GPUs: full fine-tuning: 1; chosen: full fine-tuning on 1 GPU(s)" in text
+    assert "│ 2 │ ddp, micro-batch" in text  # the 2-GPU row: its own setup
+    assert "train with: memfit train " in text
+    assert json.loads(saved.read_text())["chosen"]["world_size"] == 1

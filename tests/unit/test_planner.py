@@ -310,6 +310,42 @@ def test_lora_and_qlora_are_planned_on_several_gpus(tmp_path: Path) -> None:
     assert estimate(run, device="cpu", seq_len=16).total_bytes == made.chosen.predicted_peak_bytes
 
 
+@pytest.mark.slow
+def test_the_fewest_gpus_are_those_a_budget_below_one_replicas_states_needs(tmp_path: Path) -> None:
+    """Weights dominate this model: one GPU must hold every fp32 weight, gradient and AdamW state, 16 bytes per
+    parameter, which by hand exceed the budget; two GPUs shard them (FSDP, which gathers two of its 8 layers at
+    a time in backward). So full fine-tuning needs 2 GPUs and
+    LoRA 1; LoRA is not chosen, full fine-tuning on 2 GPUs is, and its cell is the plan and the per-rank
+    estimate of the config it writes."""
+    from memfit.memory.depth import parameter_count
+    from memfit.models import resolve_model
+    from memfit.planner.gpu_count import plan_gpu_count
+    from memfit.planner.request import PlanRequest
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 128, "intermediate_size": 256,
+                                                               "num_hidden_layers": 8})
+    parameters = parameter_count(resolve_model(str(model)), "causal-lm")
+    budget = parameters * 14  # below one replica's 16 bytes per parameter (with the margin), above half of them
+    request = PlanRequest(model=str(model), task="causal-lm", seq_len=16, effective_batch=2, device="cpu",
+                          budget=f"{budget}B", precision="fp32", allow=Allowed(lora=True), lora_rank=4)
+    counted = plan_gpu_count(request, max_gpus=4)
+    assert [(cell.technique, cell.gpus) for cell in counted.cells] == [
+        ("full", 1), ("full", 2), ("lora", 1), ("lora", 2)]  # no count above the effective batch
+    full, lora = counted.fewest("full"), counted.fewest("lora")
+    assert full is not None and full.gpus == 2 and lora is not None and lora.gpus == 1
+    one = counted.cells[0]
+    assert not one.fits and one.least_bytes is not None and one.least_bytes > 16 * parameters > one.plan.usable_bytes
+    assert counted.chosen is full and full.plan.chosen is not None
+    assert full.plan.chosen.family.strategy == "fsdp" and full.plan.chosen.world_size == 2
+    run = full.plan.to_config()
+    assert estimate(run, device="cpu", seq_len=16).total_bytes == full.plan.chosen.predicted_peak_bytes
+    assert counted.verdict().startswith("fewest GPUs: full fine-tuning: 2, LoRA r=4: 1; chosen: full fine-tuning on 2")
+    row = counted.to_dict()
+    assert row["fewest_gpus"] == {"full": 2, "lora": 1}
+    assert row["chosen"]["command"].startswith("torchrun --nproc-per-node=2 -m memfit train")
+
+
 def test_bitsandbytes_techniques_are_offered_only_where_its_kernels_run() -> None:
     from memfit.planner.choose import adapter_problem
     from memfit.planner.opt_ins import bitsandbytes_problem

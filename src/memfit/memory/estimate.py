@@ -47,6 +47,7 @@ from memfit.build import (
     build_with_techniques,
     classification_eos,
     depth_problems,
+    device_problems,
     resolve_task,
     task_fit_problems,
 )
@@ -90,8 +91,8 @@ from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_s
 from memfit.support import architecture_problems, model_support
 from memfit.techniques.bf16_true import KAHAN_STATE
 from memfit.techniques.offload import OffloadedOptimizer
-from memfit.techniques.offload_activations import ActivationOffload, activation_offload_problems
-from memfit.techniques.optim import build_scheduler, optimizer_problems
+from memfit.techniques.offload_activations import ActivationOffload
+from memfit.techniques.optim import build_scheduler
 from memfit.techniques.optimizer_in_backward import InBackwardOptimizer, assume_finite_gradient
 from memfit.techniques.precision import Precision, resolve_precision
 from memfit.techniques.stability import assume_finite, read_values
@@ -195,9 +196,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
                                                                force_cpu_fp16=config.force_cpu_fp16,
                                                                force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
-        problems.lines.extend(optimizer_problems(config.optimizer, profile.kind, offload=config.offload_optimizer))
-        problems.lines.extend(activation_offload_problems(config.offload_activations, profile.kind))
-        problems.lines.extend(distributed.device_problems(config, profile.kind))
+        problems.lines.extend(device_problems(config, profile.kind))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(architecture_problems(spec.hf_config))
@@ -408,15 +407,13 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
                       persistent_grads=strategy == "ddp")
     attention_flops = emulation.attention_flops if emulation is not None else 0
-    return _TracedRun(tracker=tracker, allocator=allocator, scaler_bytes=scaler_bytes,
-                      workspace_bytes=workspace_bytes, trainable=trainable, parameters=total, ops=tracker.op_count,
-                      phase_ops=dict(tracker.phase_ops), flops=tracker.flops + attention_flops,
-                      dequantized_bytes=tracker.dequantized_bytes)
+    return _TracedRun(tracker=tracker, allocator=allocator, scaler_bytes=scaler_bytes, workspace_bytes=workspace_bytes,
+                      trainable=trainable, parameters=total, ops=tracker.op_count, phase_ops=dict(tracker.phase_ops),
+                      flops=tracker.flops + attention_flops, dequantized_bytes=tracker.dequantized_bytes)
 
 
 def _blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks a recording tracker marks; none where the model has no list of them (only its
-    micro-steps are then shortened)."""
+    """The repeated blocks a recording tracker marks; none where the model has none (then only micro-steps)."""
     try:
         return list(transformer_layers(model))
     except ConfigError:
@@ -546,10 +543,8 @@ def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int 
     8-bit optimizer, whose step does not run on FSDP's sharded parameters)."""
     if config.distributed != "auto":
         return config.distributed
-    if "8bit" in config.optimizer:
-        return "ddp"
     budget = budget_bytes or (profile.memory_bytes if profile.kind == "cuda" else None)
-    if budget is None:
+    if budget is None or "8bit" in config.optimizer:
         return "ddp"
     replica = estimate(distributed.replica_config(config), device=profile)
     return "ddp" if replica.total_bytes <= budget else "fsdp"

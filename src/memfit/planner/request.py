@@ -65,14 +65,16 @@ class PlanRequest:
             given["max_length"] = self.seq_len
         return from_mapping({**self.options, **given})
 
-    def run(self, *, progress: Callable[[str], None] | None = None, cache: dict[Any, Estimate] | None = None) -> Plan:
-        """The plan (:func:`memfit.planner.plan`); ``progress(technique)`` is told after each trace."""
+    def run(self, *, progress: Callable[[str], None] | None = None, cache: dict[Any, Estimate] | None = None,
+            suggest: bool = True) -> Plan:
+        """The plan (:func:`memfit.planner.plan`); ``progress(technique)`` is told after each trace;
+        ``suggest=False``: when nothing fits, no trace of what the opt-ins not allowed would need."""
         from memfit.planner.choose import plan
 
         return plan(self.config(), device=self.device, budget=self.budget, seq_len=self.seq_len,
                     image_size=self.image_size, margin=self.margin, allow=self.allow, lora_rank=self.lora_rank,
                     precisions=None if self.precision == "auto" else (self.precision,), num_labels=self.num_labels,
-                    gpus=self.gpus, exact_trace=self.exact_trace, cache=cache, progress=progress)
+                    gpus=self.gpus, exact_trace=self.exact_trace, cache=cache, progress=progress, suggest=suggest)
 
     @classmethod
     def from_query(cls, query: Mapping[str, str], *, served: bool = False) -> PlanRequest:
