@@ -246,6 +246,9 @@ class TrainConfig:
     """Processes (GPUs) the run is for: set by torchrun when training; give it to ``memfit estimate``/``plan``."""
     cpu_offload: bool = False
     """FSDP only: keep the parameter shards and the optimizer step on the host (``CPUOffloadPolicy``)."""
+    shard_group: int | None = None
+    """FSDP only: shard within groups of this many ranks and replicate across the groups (HSDP: the GPUs of one
+    node, so only gradients cross nodes); ``None``: shard across every rank."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Reserved for forward-compatible keys; must stay empty."""
@@ -522,6 +525,14 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--world-size {config.world_size} needs --distributed ddp, fsdp or auto")
     if config.cpu_offload and config.distributed not in ("fsdp", "auto"):
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
+    group = config.shard_group
+    if group is not None:
+        if config.distributed not in ("fsdp", "auto"):
+            problems.add("--shard-group shards FSDP's parameters within groups of ranks; use it with --distributed "
+                         "fsdp")
+        if group < 1 or (config.world_size > 1 and config.world_size % group):
+            problems.add(f"--shard-group {group} must divide the {config.world_size} ranks into equal groups (e.g. "
+                         "the GPUs of one node)")
     if "8bit" in config.optimizer and config.distributed == "fsdp":
         problems.add(f"--optimizer {config.optimizer}: bitsandbytes' 8-bit step runs on whole tensors, not on FSDP's "
                      "sharded parameters; use --distributed ddp (every rank keeps the 8-bit states) or --optimizer "

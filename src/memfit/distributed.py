@@ -62,6 +62,8 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     cpu_offload: bool = False
+    shard_group: int | None = None
+    """FSDP: ranks per group that shards (HSDP: replicated across the groups); ``None``: all of them."""
     allreduce_seconds: float = 0.0
     """DDP only: summed time the gradient buckets spent in flight (launch to completion), overlapping
     backward; the part backward does not hide is what the scaling benchmark measures."""
@@ -118,14 +120,15 @@ def device_problems(config: TrainConfig, device_kind: str | None) -> list[str]:
 
 def replica_config(config: TrainConfig) -> TrainConfig:
     """One rank's share of a distributed run as a single-process run: its micro-batch and accumulation."""
-    return dataclasses.replace(config, distributed="none", world_size=1, cpu_offload=False,
+    return dataclasses.replace(config, distributed="none", world_size=1, cpu_offload=False, shard_group=None,
                                effective_batch=config.per_rank_batch,
                                micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=None,
                                budget=None, plan=None, device_profile=None).without_opt_ins()
 
 
 @contextlib.contextmanager
-def process_group(strategy: str, device_type: str, *, cpu_offload: bool = False) -> Iterator[World]:
+def process_group(strategy: str, device_type: str, *, cpu_offload: bool = False,
+                  shard_group: int | None = None) -> Iterator[World]:
     """The run's world: the default process group of a torchrun launch (NCCL on CUDA, gloo on CPU).
 
     Without torchrun a distributed strategy runs as a world of one (a real process group over an in-memory
@@ -146,7 +149,7 @@ def process_group(strategy: str, device_type: str, *, cpu_offload: bool = False)
                                 timeout=TIMEOUT)
     try:
         yield World(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=local_rank, cpu_offload=cpu_offload)
+                    local_rank=local_rank, cpu_offload=cpu_offload, shard_group=shard_group)
     finally:
         dist.destroy_process_group()
 
@@ -167,7 +170,8 @@ def wrap(model: nn.Module, world: World, *, low_precision: torch.dtype | None,
         ddp.register_comm_hook(world, _timed_allreduce)
         return ddp
     if world.strategy == "fsdp":
-        return shard(model, device_mesh(device.type), low_precision=low_precision, cpu_offload=world.cpu_offload)
+        return shard(model, device_mesh(device.type, world.shard_group), low_precision=low_precision,
+                     cpu_offload=world.cpu_offload)
     return model
 
 
@@ -185,23 +189,29 @@ def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu
     return model
 
 
-def device_mesh(device_type: str) -> Any:
-    """The 1-D mesh of all ranks (made outside any fake-tensor mode: it is real process-group state)."""
+def device_mesh(device_type: str, shard_group: int | None = None) -> Any:
+    """The mesh FSDP2 shards over (made outside any fake-tensor mode: it is real process-group state): all ranks,
+    or with ``shard_group`` a 2-D mesh of groups that each shard and replicate across each other (HSDP: FSDP2
+    reduce-scatters the gradients within a group, then all-reduces them across the groups)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    ranks = dist.get_world_size()
+    if shard_group is None or shard_group >= ranks:
+        return init_device_mesh(device_type, (ranks,))
+    return init_device_mesh(device_type, (ranks // shard_group, shard_group), mesh_dim_names=("replicate", "shard"))
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[Any]:
-    """A fake process group of ``world_size`` ranks, this process as rank 0, and its mesh: collectives return
-    at once and move no data, so one process can trace one rank's step (``memfit estimate --world-size``)."""
+def fake_world(world_size: int, shard_group: int | None = None) -> Iterator[Any]:
+    """A fake process group of ``world_size`` ranks, this process as rank 0, and its mesh (:func:`device_mesh`):
+    collectives return at once and move no data, so one process can trace one rank's step (``memfit estimate
+    --world-size``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     require_no_group("estimating a distributed run")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield device_mesh("cpu")
+        yield device_mesh("cpu", shard_group)
     finally:
         dist.destroy_process_group()
 

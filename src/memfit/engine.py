@@ -55,7 +55,8 @@ def train(config: TrainConfig, *, console: Console | None = None) -> Summary:
     console = Console(quiet=True) if quiet else console or Console(stderr=True)
     prepared, plan = prepare_planned(config, console)  # raises ConfigError/DataError before any work
     strategy = resolve_strategy(prepared.config, prepared.device)
-    with distributed.process_group(strategy, prepared.device.kind, cpu_offload=prepared.config.cpu_offload) as world:
+    with distributed.process_group(strategy, prepared.device.kind, cpu_offload=prepared.config.cpu_offload,
+                                   shard_group=prepared.config.shard_group) as world:
         output_dir = Path(prepared.config.output_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
         resumed = checkpointer.open_run_dir(output_dir, prepared.config, world)
         device = world.device_for(prepared.device.kind)

@@ -203,6 +203,9 @@ def _rank_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, for
     if for_estimate:
         ranks.add_argument("--world-size", type=int, help="ranks to estimate one rank's peak for [1]")
     _bool_flag(ranks, "cpu-offload", "fsdp: keep parameter shards and the optimizer step on the host")
+    ranks.add_argument("--shard-group", type=int, metavar="N",
+                       help="fsdp: shard within groups of N ranks and replicate across them (HSDP; N = the GPUs of "
+                            "one node) [every rank]")
 
 
 def _device_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, for_estimate: bool) -> None:

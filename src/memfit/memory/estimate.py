@@ -376,7 +376,8 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
     if fake_mode is not None:  # one fake tensor per input, made up front: converting on use would copy it
         windows = [[{name: fake_mode.from_tensor(tensor) for name, tensor in batch.items()} for batch in window]
                    for window in windows]
-    world = distributed.fake_world(config.world_size) if strategy == "fsdp" else contextlib.nullcontext()
+    world = distributed.fake_world(config.world_size, config.shard_group) if strategy == "fsdp" else \
+        contextlib.nullcontext()
     with world as mesh, fake_mode or contextlib.nullcontext(), (
             contextlib.nullcontext() if execute else no_init_weights()), (
             contextlib.nullcontext() if execute else GroupedMatmulShapes(cuda=profile.kind == "cuda")), (
