@@ -35,11 +35,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,9 @@ from memfit.errors import ConfigError
 from memfit.models import transformer_layers
 
 TIMEOUT = datetime.timedelta(minutes=10)
+DECISION_TIMEOUT = datetime.timedelta(hours=2)
+"""How long the other ranks wait for rank 0's decision (a plan of a large model takes minutes)."""
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -116,6 +120,33 @@ def device_problems(config: TrainConfig, device_kind: str | None) -> list[str]:
         return [f"--cpu-offload moves FSDP's shards from a CUDA card to host memory; on a {device_kind} device they "
                 "are in host memory already: drop --cpu-offload"]
     return []
+
+
+def decided_once(name: str, decide: Callable[[], T], *, encode: Callable[[T], str],
+                 decode: Callable[[str], T]) -> T:
+    """``decide()``, run by rank 0 alone under torchrun and read by the other ranks, so every rank goes on with
+    the same answer (a plan) and one process, not N, does the work. It passes through the launcher's own
+    key-value store (torchrun's agent hosts it at ``MASTER_ADDR:MASTER_PORT`` for its workers), before any
+    process group exists; a :class:`ConfigError` (or any failure) of rank 0 is raised on every rank. Without
+    torchrun's store, and in one process, every process decides for itself."""
+    if launched_world_size() == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return decide()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,  # type: ignore[attr-defined]
+                          timeout=DECISION_TIMEOUT)
+    key = f"memfit/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if launched_rank() != 0:
+        answer = json.loads(store.get(key))
+        if "error" in answer:
+            raise ConfigError(answer["error"])
+        return decode(answer["value"])
+    try:
+        value = decide()
+    except BaseException as error:
+        reason = str(error) if isinstance(error, ConfigError) else f"rank 0 failed to decide the {name}: {error!r}"
+        store.set(key, json.dumps({"error": reason}))
+        raise
+    store.set(key, json.dumps({"value": encode(value)}))
+    return value
 
 
 def replica_config(config: TrainConfig) -> TrainConfig:

@@ -98,3 +98,45 @@ def test_ddp_puts_each_rank_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert made["device_ids"] == [3]
     distributed.wrap(torch.nn.Sequential(), world, low_precision=None, device=torch.device("cpu"))
     assert made["device_ids"] is None
+
+
+@pytest.fixture
+def launcher_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """torchrun's agent store for a world of 2, as its workers see it (this process hosts it)."""
+    import datetime
+
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    for name, value in {"WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "localhost",
+                        "MASTER_PORT": str(store.port), "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(name, value)
+    yield store
+
+
+def test_rank_0_decides_once_and_the_other_ranks_read_its_answer(launcher_store: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    decisions: list[int] = []
+
+    def decide() -> int:
+        decisions.append(1)
+        return 42
+
+    monkeypatch.setenv("RANK", "0")
+    assert distributed.decided_once("plan", decide, encode=str, decode=int) == 42
+    monkeypatch.setenv("RANK", "1")
+    assert distributed.decided_once("plan", decide, encode=str, decode=int) == 42
+    assert decisions == [1]  # rank 1 read rank 0's answer
+
+
+def test_a_decision_that_fails_on_rank_0_fails_on_every_rank(launcher_store: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.errors import ConfigError
+
+    def nothing_fits() -> int:
+        raise ConfigError("nothing fits 1 GiB")
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="nothing fits 1 GiB"):
+        distributed.decided_once("plan", nothing_fits, encode=str, decode=int)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="nothing fits 1 GiB"):
+        distributed.decided_once("plan", lambda: pytest.fail("rank 1 decided"), encode=str, decode=int)

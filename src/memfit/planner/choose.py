@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 
+from memfit import distributed
 from memfit.build import Prepared
 from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
@@ -29,7 +31,7 @@ from memfit.planner.families import (
     with_chunked_loss,
 )
 from memfit.planner.opt_ins import bitsandbytes_problem, opt_ins
-from memfit.planner.report import Plan, load_plan, rank_candidates, verdict_line
+from memfit.planner.report import Plan, load_plan, plan_from_dict, rank_candidates, verdict_line
 from memfit.planner.search import Search
 from memfit.quiet import quiet_transformers
 from memfit.report import format_bytes
@@ -152,12 +154,10 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
         if made.device != profile_for(prepared.device).name:
             console.print(f"[yellow]note:[/] {config.plan} was planned for {made.device_description}; this run "
                           f"is on {prepared.device.describe()}")
-    else:
-        traces: dict[Any, Estimate] = {}  # shared by the two plans
-        made = _plan_now(prepared, console, suggest=False, cache=traces)
-        if made.chosen is None:  # what the opt-ins not given would need: the advice of memfit plan
-            made = _plan_now(prepared, console, suggest=True, cache=traces)
-            raise NothingFits(made.verdict, tuple(made.fixes))
+    else:  # under torchrun rank 0 plans and every rank trains its plan
+        made = distributed.decided_once("plan", lambda: _planned_here(prepared, console),
+                                        encode=lambda done: json.dumps(done.to_dict()),
+                                        decode=lambda text: plan_from_dict(json.loads(text)))
     if made.chosen is None:
         raise ConfigError(made.verdict)
     if made.effective_batch != config.effective_batch and config.plan is not None:
@@ -168,6 +168,17 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
     if config.device_profile is not None:  # the card's plan, run here within the card's memory
         planned = rehearsal(planned, made, device=prepared.device, console=console)
     return planned, made
+
+
+def _planned_here(prepared: Prepared, console: Console) -> Plan:
+    """The run's plan, made in this process; when nothing allowed fits, :class:`NothingFits` with what the
+    opt-ins not given would need (the advice of memfit plan)."""
+    traces: dict[Any, Estimate] = {}  # shared by the two plans
+    made = _plan_now(prepared, console, suggest=False, cache=traces)
+    if made.chosen is None:
+        made = _plan_now(prepared, console, suggest=True, cache=traces)
+        raise NothingFits(made.verdict, tuple(made.fixes))
+    return made
 
 
 def _plan_now(prepared: Prepared, console: Console, *, suggest: bool, cache: dict[Any, Estimate]) -> Plan:

@@ -158,19 +158,23 @@ def load_plan(path: str | Path) -> Plan:
     """A plan saved by ``memfit plan --save`` (or :meth:`Plan.save`)."""
     file = Path(path)
     try:
-        raw = json.loads(file.read_text())
-        chosen = raw["chosen"]
-        return Plan(chosen=_candidate(chosen) if chosen else None, candidates=[],
-                    **{name: raw[name] for name in ("budget_bytes", "usable_bytes", "margin", "device",
-                                                     "device_description", "model", "effective_batch",
-                                                     "sequence_length", "image_size", "verdict", "traces",
-                                                     "seconds", "config")},
-                    fixes=[tuple(flags) for flags in raw.get("fixes", [])], opt_ins=tuple(raw.get("opt_ins", [])))
+        return plan_from_dict(json.loads(file.read_text()))
     except FileNotFoundError:
         raise ConfigError(f"--plan {path}: no such file; make one with memfit plan ... --save {path}") from None
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConfigError(f"--plan {path}: not a plan saved by memfit plan --save ({error!r}); "
                           "make it again") from None
+
+
+def plan_from_dict(raw: dict[str, Any]) -> Plan:
+    """The plan :meth:`Plan.to_dict` wrote (its chosen setup; the other candidates are not kept)."""
+    chosen = raw["chosen"]
+    return Plan(chosen=_candidate(chosen) if chosen else None, candidates=[],
+                **{name: raw[name] for name in ("budget_bytes", "usable_bytes", "margin", "device",
+                                                 "device_description", "model", "effective_batch",
+                                                 "sequence_length", "image_size", "verdict", "traces",
+                                                 "seconds", "config")},
+                fixes=[tuple(flags) for flags in raw.get("fixes", [])], opt_ins=tuple(raw.get("opt_ins", [])))
 
 
 def _candidate(raw: dict[str, Any]) -> Candidate:
