@@ -46,6 +46,22 @@ def images(work: Path, broken: bool) -> Path:
     return work / "pics"
 
 
+def two_gpu_plan(work: Path) -> Path:
+    """A plan saved for 2 GPUs (DDP) of the tiny BERT."""
+    from memfit.planner.families import Candidate, Family
+    from memfit.planner.report import Plan
+
+    chosen = Candidate(family=Family(precision="fp32", checkpointing="none", kernels="loop", strategy="ddp"),
+                       micro_batch_size=2, accumulation_steps=2, predicted_peak_bytes=1 << 20,
+                       predicted_allocated_bytes=1 << 20, peak_phase="backward", predicted_samples_per_second=1.0,
+                       exact=True, fits=True, world_size=2)
+    path = work / "plan-2-gpus.json"
+    Plan(chosen=chosen, candidates=[chosen], budget_bytes=1 << 30, usable_bytes=1 << 29, margin=0.05, device="cpu",
+         device_description="host CPU", model=str(work / "bert"), effective_batch=8, sequence_length=32,
+         image_size=None, verdict="fits", traces=1, seconds=0.0).save(path)
+    return path
+
+
 def finished_run(work: Path, **overrides: object) -> Path:
     """A real short run with a checkpoint in ``work/out``."""
     config = tiny_config(work / "bert", work / "reviews.csv", work / "out", max_steps=2, save_every=2, **overrides)
@@ -211,6 +227,8 @@ CASES: dict[str, tuple[Setup, str]] = {
     "shard-group-not-dividing": (lambda w: ["estimate", "--model", str(w / "bert"), "--distributed", "fsdp",
                                             "--world-size", "4", "--shard-group", "3"],
                                  "--shard-group 3 must divide the 4 ranks into equal groups"),
+    "plan-for-another-world-size": (lambda w: base(w, "--plan", str(two_gpu_plan(w))),
+                                    "was planned for 2 GPU(s) and this run has 1 process(es)"),
     "plan-gpus-and-max-gpus": (lambda w: ["plan", "--model", str(w / "bert"), "--gpus", "2", "--max-gpus", "4"],
                                "--gpus plans one number of GPUs and --max-gpus every number up to it"),
     "plan-max-gpus-zero": (lambda w: ["plan", "--model", str(w / "bert"), "--max-gpus", "0"],

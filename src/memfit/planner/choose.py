@@ -14,6 +14,7 @@ from rich.console import Console
 
 from memfit import distributed
 from memfit.build import Prepared
+from memfit.commands import launcher
 from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, NothingFits, Problems
@@ -154,6 +155,11 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
         if made.device != profile_for(prepared.device).name:
             console.print(f"[yellow]note:[/] {config.plan} was planned for {made.device_description}; this run "
                           f"is on {prepared.device.describe()}")
+        launched, planned_ranks = distributed.launched_world_size(), made.chosen.world_size if made.chosen else 1
+        if planned_ranks != launched:
+            raise ConfigError(f"--plan {config.plan} was planned for {planned_ranks} GPU(s) and this run has "
+                              f"{launched} process(es); launch it with {' '.join(launcher(planned_ranks))} train "
+                              f"--plan {config.plan}, or plan again with --gpus {launched}")
     else:  # under torchrun rank 0 plans and every rank trains its plan
         made = distributed.decided_once("plan", lambda: _planned_here(prepared, console),
                                         encode=lambda done: json.dumps(done.to_dict()),
