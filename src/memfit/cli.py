@@ -85,6 +85,9 @@ def _plan_gpu_count(request: Any, args: argparse.Namespace) -> int:
     """``memfit plan --max-gpus N``: every technique on every number of GPUs up to N."""
     from memfit.planner.gpu_count import plan_gpu_count
 
+    if args.emit == "trainer":
+        raise ConfigError("--emit trainer prints one plan's Trainer code; drop --max-gpus, or plan the number of "
+                          "GPUs you will use with --gpus N")
     with contextlib.nullcontext(None) if args.json else TraceProgress() as progress:
         counted = plan_gpu_count(request, args.max_gpus, progress=progress)
     chosen = counted.chosen
@@ -97,7 +100,7 @@ def _plan_gpu_count(request: Any, args: argparse.Namespace) -> int:
         if args.save and chosen is not None:
             print(f"saved to {args.save}; train with: {' '.join(launcher(chosen.gpus))} train --plan {args.save}")
     if chosen is None:
-        sys.stderr.write(f"memfit: nothing fits: {counted.verdict().split('; ', 1)[-1]}\n")
+        sys.stderr.write(f"memfit: {counted.verdict()}\n")
         return 1
     return 0
 

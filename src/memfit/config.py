@@ -527,7 +527,7 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
     group = config.shard_group
     if group is not None:
-        if config.distributed not in ("fsdp", "auto"):
+        if config.distributed != "fsdp":
             problems.add("--shard-group shards FSDP's parameters within groups of ranks; use it with --distributed "
                          "fsdp")
         if group < 1 or (config.world_size > 1 and config.world_size % group):

@@ -300,8 +300,8 @@ def test_lora_and_qlora_are_planned_on_several_gpus(tmp_path: Path) -> None:
     assert needs["full"] > needs["lora"] > needs["qlora"]
     assert {c.family.strategy for c in exact if c.family.technique == "lora"} == {"ddp", "fsdp"}
     assert all(c.world_size == 2 for c in exact)
-    eight_bit = {c.family.strategy for c in exact if "8bit" in c.family.optimizer}
-    assert eight_bit == {"ddp"}
+    eight_bit = {(c.family.technique, c.family.strategy) for c in exact if "8bit" in c.family.optimizer}
+    assert eight_bit == {("full", "ddp"), ("lora", "ddp"), ("qlora", "ddp")}  # full fine-tuning's opt-in too
 
     made = planned((needs["lora"] + needs["full"]) // 2, allow=Allowed(lora=True))
     assert made.chosen is not None and made.chosen.family.technique == "lora" and made.chosen.world_size == 2
@@ -500,3 +500,16 @@ def test_families_that_checkpoint_less_than_a_least_need_that_does_not_fit_are_n
     for candidate in ruled_out:  # the rule holds: each needs more than the budget at its least micro-batch
         least = candidate.family.configure(config, micro_batch_size=1, effective_batch=2)
         assert estimate(least, device="cpu", seq_len=512).peak_bytes > result.usable_bytes
+
+
+def test_a_shard_group_is_kept_by_the_sharded_families_only() -> None:
+    """A plan for an HSDP run (--shard-group) also weighs replicas, which have no shard group."""
+    from memfit.planner.families import Family
+
+    base = TrainConfig(distributed="fsdp", world_size=4, shard_group=2)
+    configs = {strategy: Family(precision="fp32", checkpointing="none", kernels="loop", strategy=strategy).configure(
+        base, micro_batch_size=1, effective_batch=8) for strategy in ("ddp", "fsdp", "fsdp-offload")}
+    assert {strategy: config.shard_group for strategy, config in configs.items()} == {
+        "ddp": None, "fsdp": 2, "fsdp-offload": 2}
+    for config in configs.values():
+        config.validate()

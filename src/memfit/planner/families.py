@@ -106,6 +106,7 @@ class Family:
             base, micro_batch_size=micro_batch_size, accumulation_steps=None, effective_batch=effective_batch,
             distributed=self.strategy.removesuffix("-offload"), cpu_offload=self.strategy == "fsdp-offload",
             world_size=base.world_size if self.ranks else 1,
+            shard_group=base.shard_group if self.strategy.startswith("fsdp") else None,
             precision=self.precision, checkpointing="every-n" if self.checkpointing == "every-2" else
             self.checkpointing, checkpoint_every=2, foreach={"foreach": True, "loop": False}.get(self.kernels),
             fused=self.kernels == "fused" and self.optimizer == "adamw", optimizer=self.optimizer,

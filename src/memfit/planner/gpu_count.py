@@ -24,6 +24,7 @@ from memfit.config import PLANNED_LORA_RANK
 from memfit.errors import ConfigError
 from memfit.planner.details import shown
 from memfit.planner.report import Plan
+from memfit.report import format_bytes
 
 if TYPE_CHECKING:
     from memfit.memory.estimate import Estimate
@@ -88,7 +89,8 @@ class GpuCount:
         return TECHNIQUES[technique] + (f" r={self.lora_rank}" if technique != "full" else "")
 
     def verdict(self) -> str:
-        """One line: the fewest GPUs each technique needs, and the chosen setup."""
+        """One line: the fewest GPUs each technique needs, and the chosen setup; when nothing fits, what each
+        technique needs at least on the most GPUs planned."""
         parts = []
         for technique in self.techniques:
             cell = self.fewest(technique)
@@ -96,7 +98,10 @@ class GpuCount:
         chosen = self.chosen
         line = "fewest GPUs: " + ", ".join(parts)
         if chosen is None:
-            return line + f"; nothing fits on up to {self.max_gpus} GPU(s)"
+            needs = [f"{self.label(cell.technique)} needs at least {format_bytes(cell.least_bytes)} per GPU"
+                     for cell in self.cells if cell.gpus == self.max_gpus and cell.least_bytes is not None]
+            return f"nothing fits on up to {self.max_gpus} GPU(s)" + (f" ({', '.join(needs)} on "
+                                                                       f"{self.max_gpus})" if needs else "")
         assert chosen.plan.chosen is not None
         return (line + f"; chosen: {self.label(chosen.technique)} on {chosen.gpus} GPU(s), "
                 f"{chosen.plan.chosen.describe()}")

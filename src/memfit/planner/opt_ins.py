@@ -82,8 +82,13 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
     def eight_bit(family: Family, optimizer: str = "adamw8bit") -> Family | None:
         if family.offload_optimizer or (optimizer.startswith("paged") and profile.kind != "cuda"):
             return None
-        return dataclasses.replace(family, optimizer=optimizer, kahan=False,
-                                   kernels=default_kernels(optimizer, family.strategy, profile))
+        strategy = family.strategy
+        if strategy.startswith("fsdp"):  # its step does not run on sharded parameters: replicated instead
+            if search.base.distributed == "fsdp":
+                return None
+            strategy = "ddp"
+        return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy,
+                                   kernels=default_kernels(optimizer, strategy, profile))
 
     def paged(family: Family) -> Family | None:
         return eight_bit(family, "paged-adamw8bit")
