@@ -513,3 +513,16 @@ def test_a_shard_group_is_kept_by_the_sharded_families_only() -> None:
         "ddp": None, "fsdp": 2, "fsdp-offload": 2}
     for config in configs.values():
         config.validate()
+
+
+def test_a_plan_on_several_cards_searches_no_cpu_offload_the_estimate_cannot_trace() -> None:
+    """FSDP's CPU offload moves shards inside FSDP, unseen by the trace: a plan never picks it, and asking for
+    it is refused in one line rather than planned from a trace that counts the shards on the card."""
+    from memfit.devices import resolve_profile
+    from memfit.planner.families import strategies
+
+    card = resolve_profile("4090")
+    assert strategies(TrainConfig(distributed="auto", world_size=2), card) == ("ddp", "fsdp")
+    assert strategies(TrainConfig(distributed="fsdp", world_size=2), card) == ("fsdp",)
+    with pytest.raises(ConfigError, match="--cpu-offload is not estimated yet"):
+        estimate(TrainConfig(distributed="fsdp", world_size=2, cpu_offload=True), device=card, seq_len=16)

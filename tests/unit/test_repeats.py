@@ -36,6 +36,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     deep = {"vocab_size": 64, "num_hidden_layers": 6}  # a copy of 5 blocks and one copied: the least that shows it
     return {
         "llama": write_model_dir(root / "llama", {**TINY_LLAMA, **deep}),
+        "llama7": write_model_dir(root / "llama7", {**TINY_LLAMA, **deep, "num_hidden_layers": 7}),
         "llama12": write_model_dir(root / "llama12", {**TINY_LLAMA, **deep, "num_hidden_layers": 12}),
         "bert": write_model_dir(root / "bert", {**TINY_BERT, **deep}),
         "vit": write_model_dir(root / "vit", {**TINY_VIT, "num_hidden_layers": 6}),
@@ -70,8 +71,17 @@ GRID = [
     ("llama", "4090", {"task": "causal-lm", "optimizer_in_backward": True, "precision": "bf16",
                        "max_grad_norm": None}, "5 of 6 blocks"),
     ("llama", "4090", {"task": "causal-lm", "precision": "bf16-true"}, "5 of 6 blocks"),
-    ("llama", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16"},
-     "full trace: FSDP"),
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16"},
+     "6 of 7 blocks"),  # FSDP: two blocks above the copied one (the last two's gathers outlive the forward)
+    ("llama7", "cpu", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "effective_batch": 24,
+                       "micro_batch_size": 2}, "6 of 7 blocks and 8 of 12 micro-steps"),  # a for-each step
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
+                        "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16", "checkpointing": "full"},
+     "6 of 7 blocks"),
+    ("llama12", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "fp16",
+                           "checkpointing": "every-n"}, "10 of 12 blocks"),
+    ("llama12", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16",
+                         "train_top_layers": 7, "loss_chunk": 4}, "11 of 12 blocks"),
     ("llama", "4090", {"task": "causal-lm", "offload_optimizer": True, "precision": "bf16"}, "5 of 6 blocks"),
     ("llama12", "1080ti", {"task": "causal-lm", "offload_optimizer": True, "precision": "fp16", "train_top_layers": 6,
                            "effective_batch": 12, "micro_batch_size": 2}, "10 of 12 blocks and 8 of 12 micro-steps"),

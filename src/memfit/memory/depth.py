@@ -51,12 +51,13 @@ class DepthCut:
         return owner
 
 
-def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str | None:
+def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1) -> DepthCut | str | None:
     """The shallow copy to trace for ``spec`` under ``config``, or why the model is traced at its full depth
-    (``None``: it is too shallow for a copy to be shallower)."""
+    (``None``: it is too shallow for a copy to be shallower). ``tail``: the blocks kept above the copied group
+    (two under FSDP, whose last block's and its neighbour's gathers are freed at the end of the forward)."""
     if is_encoder_decoder(spec):
         return "an encoder-decoder's two stacks of blocks are traced in full"
-    if spec.num_layers < MIN_LAYERS:
+    if spec.num_layers < MIN_LAYERS + tail - 1:
         return None
     if _layer_count(spec.hf_config) is None:
         return "the model's blocks have no single depth to cut"
@@ -70,9 +71,9 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
         return "the model's blocks alternate in kind"
     every = config.checkpoint_every if config.checkpointing == "every-n" else 1
     if config.train_top_layers:
-        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every)
+        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every, tail=tail)
     else:
-        cut = _uniform(spec.num_layers, offset=structure[0], period=every)
+        cut = _uniform(spec.num_layers, offset=structure[0], period=every, tail=tail)
     if not isinstance(cut, DepthCut):
         return cut
     short = _signatures(with_depth(spec, cut.layers), task)
@@ -81,10 +82,10 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str) -> DepthCut | str
     return cut
 
 
-def _uniform(num_layers: int, *, offset: int, period: int) -> DepthCut | None:
+def _uniform(num_layers: int, *, offset: int, period: int, tail: int = 1) -> DepthCut | None:
     first = offset + period + 2  # a first block may differ (its input), then a whole period, then the groups
     last = first + 2 * period - 1
-    layers = last + 1 + (num_layers - last - 1) % period
+    layers = last + tail + (num_layers - last - tail) % period
     copies = (num_layers - layers) // period
     if copies < 1:
         return None
@@ -96,17 +97,18 @@ REGION = 5
 (the second is copied), one after."""
 
 
-def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int) -> DepthCut | str | None:
+def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int, tail: int = 1) -> DepthCut | str | None:
     """``--train-top-layers``: the frozen blocks and the trained ones above them, each run cut to
-    :data:`REGION` blocks and its fourth copied to the run's length."""
+    :data:`REGION` blocks (the top run ``tail - 1`` more) and its fourth copied to the run's length."""
     if offset or every > 1:
         return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
     frozen = num_layers - trained
     if frozen < 1:  # every block trains: the model's own depth cut, every block of the copy trained too
-        cut = _uniform(num_layers, offset=0, period=1)
+        cut = _uniform(num_layers, offset=0, period=1, tail=tail)
         return dataclasses.replace(cut, train_top_layers=cut.layers) if cut is not None else None
-    kept_frozen, kept_trained = min(frozen, REGION), min(trained, REGION)
-    repeats = [Repeat(first=kept_frozen + 3, period=1, copies=trained - REGION)] if trained > REGION else []
+    top = REGION + tail - 1
+    kept_frozen, kept_trained = min(frozen, REGION), min(trained, top)
+    repeats = [Repeat(first=kept_frozen + 3, period=1, copies=trained - top)] if trained > top else []
     repeats += [Repeat(first=3, period=1, copies=frozen - REGION)] if frozen > REGION else []
     if not repeats:
         return None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class RecordingTracker(StorageTracker):
         self._next = 0
         self._owners: dict[int, tuple[int | None, int | None]] = {}
         self._param_blocks: dict[int, int] = {}
+        self._forgotten: dict[int, int | None] = {}
         self._out_owner: dict[int, int | None] = {}
         self._extra: dict[int, tuple[int, ...]] = {}
         self._op_block: int | None = None
@@ -176,7 +178,20 @@ class RecordingTracker(StorageTracker):
     def _data_block(self, tensor: torch.Tensor) -> int | None:
         key = tensor.untyped_storage()._cdata
         serial = self._serials.get(key)
-        return self._owners[serial][0] if serial is not None else self._param_blocks.get(key)
+        if serial is not None:
+            return self._owners[serial][0]
+        return self._param_blocks.get(key, self._forgotten.get(key))
+
+    def forget(self, tensors: list[torch.Tensor]) -> None:
+        """Storages no longer counted (host-side scalars, as the optimizer's steps) keep their block: the ops
+        that later read them (a for-each step's ``step.item()`` per parameter) are still that block's."""
+        for tensor in local_tensors(tensors):
+            storage = tensor.untyped_storage()
+            serial = self._serials.get(storage._cdata)
+            if serial is not None:
+                self._forgotten[storage._cdata] = self._owners[serial][0]
+                weakref.finalize(storage, self._forgotten.pop, storage._cdata, None)
+        super().forget(tensors)
 
     def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
         self._out_owner.clear()
@@ -492,9 +507,10 @@ def _frees_in_order(events: list[Event], axis: int, owner: dict[Hashable, int | 
     set in any order), and some come in an order of no pattern (non-reentrant checkpointing drops a forward's
     unsaved tensors of every block at once). A run that frees the storages of more blocks than a block and its
     neighbours (the end of the forward dropping every block's KV cache) is placed by the owners of what it
-    frees, so that each copy frees its own."""
+    frees, so that each copy frees its own. Owners come in the order the blocks run: up the model, and down it
+    in a backward (where a block's last frees can follow the next block's first, as FSDP's post-backward's do)."""
     out: list[Event] = []
-    start = 0
+    start, phases = 0, [None]  # the phases entered and not yet left
     while start < len(events):
         end = start
         while end < len(events) and events[end][0] in ("f", "g"):
@@ -504,12 +520,17 @@ def _frees_in_order(events: list[Event], axis: int, owner: dict[Hashable, int | 
             freed = {owner.get(event[1]) for event in batch} - {None}
             if len(freed) > period + 1:
                 batch = [_owned_by(event, axis, owner.get(event[1])) for event in batch]
+            down = -1 if axis == BLOCK and phases[-1] == "backward" else 1  # the blocks' own order
             out.extend(sorted(batch, key=lambda event: (
-                event[axis] is None, event[axis] or 0, repr(place.get(event[1], ())))))
+                event[axis] is None, down * (_owner(event, axis) or 0), repr(place.get(event[1], ())))))
         else:
             out.extend(batch)
         if end < len(events):
             out.append(events[end])
+            if events[end][0] == "p":
+                phases.append(events[end][3])
+            elif events[end][0] == "q":
+                phases.pop()
         start = end + 1
     return out
 

@@ -31,9 +31,7 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str) -> S
     """The shortened trace that stands for ``trace``, or why the full one runs."""
     if strategy == "ddp":
         return "full trace: DDP's gradient buckets group parameters across blocks"
-    if strategy == "fsdp":
-        return "full trace: FSDP's prefetching overlaps neighbouring blocks"
-    depth = depth_cut(trace.spec, config, trace.task)
+    depth = depth_cut(trace.spec, config, trace.task, tail=2 if strategy == "fsdp" else 1)
     windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
                       limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]
     if not isinstance(depth, DepthCut) and not windows:
