@@ -206,12 +206,14 @@ def wrap(model: nn.Module, world: World, *, low_precision: torch.dtype | None,
     return model
 
 
-def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu_offload: bool) -> nn.Module:
-    """FSDP2 over ``mesh``: each transformer layer its own group, then the root (embeddings and head)."""
+def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu_offload: bool,
+          pin_memory: bool = True) -> nn.Module:
+    """FSDP2 over ``mesh``: each transformer layer its own group, then the root (embeddings and head).
+    ``pin_memory``: offloaded shards in pinned host memory (not in a trace: fake tensors cannot pin)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    options: dict[str, Any] = {"mesh": mesh,
-                               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    options: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)
+                               if cpu_offload else OffloadPolicy()}
     if low_precision is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
     for layer in transformer_layers(model):

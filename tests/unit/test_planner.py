@@ -515,14 +515,16 @@ def test_a_shard_group_is_kept_by_the_sharded_families_only() -> None:
         config.validate()
 
 
-def test_a_plan_on_several_cards_searches_no_cpu_offload_the_estimate_cannot_trace() -> None:
-    """FSDP's CPU offload moves shards inside FSDP, unseen by the trace: a plan never picks it, and asking for
-    it is refused in one line rather than planned from a trace that counts the shards on the card."""
+
+def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() -> None:
+    """FSDP's CPU offload is searched on a card, not with HSDP's shard groups, whose offload is refused."""
     from memfit.devices import resolve_profile
     from memfit.planner.families import strategies
 
-    card = resolve_profile("4090")
-    assert strategies(TrainConfig(distributed="auto", world_size=2), card) == ("ddp", "fsdp")
-    assert strategies(TrainConfig(distributed="fsdp", world_size=2), card) == ("fsdp",)
-    with pytest.raises(ConfigError, match="--cpu-offload is not estimated yet"):
-        estimate(TrainConfig(distributed="fsdp", world_size=2, cpu_offload=True), device=card, seq_len=16)
+    card, cpu = resolve_profile("4090"), resolve_profile("cpu")
+    assert strategies(TrainConfig(distributed="auto", world_size=2), card) == ("ddp", "fsdp", "fsdp-offload")
+    assert strategies(TrainConfig(distributed="auto", world_size=2), cpu) == ("ddp", "fsdp")
+    assert strategies(TrainConfig(distributed="fsdp", world_size=4, shard_group=2), card) == ("fsdp",)
+    hybrid = TrainConfig(distributed="fsdp", world_size=4, shard_group=2, cpu_offload=True)
+    with pytest.raises(ConfigError, match="--cpu-offload with --shard-group is not estimated yet"):
+        estimate(hybrid, device=card, seq_len=16)

@@ -78,6 +78,9 @@ GRID = [
     ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
                         "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16", "checkpointing": "full"},
      "6 of 7 blocks"),
+    ("llama7", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "cpu_offload": True,
+                          "precision": "fp16", "effective_batch": 24, "micro_batch_size": 2},
+     "6 of 7 blocks and 8 of 12 micro-steps"),  # shards and optimizer on the host (memory/host_shards.py)
     ("llama12", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "fp16",
                            "checkpointing": "every-n"}, "10 of 12 blocks"),
     ("llama12", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16",

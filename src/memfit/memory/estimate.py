@@ -60,6 +60,7 @@ from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspaces
+from memfit.memory.host_shards import HostShards
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.moe import GroupedMatmulShapes
 from memfit.memory.monitor import timeline_record
@@ -99,10 +100,11 @@ from memfit.techniques.stability import assume_finite, read_values
 
 CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients", "optimizer_state",
               "kahan_compensation", "activations", "logits_and_loss", "temporaries", "inputs", "workspaces")
-CPU_OFFLOAD_UNTRACED = ("--cpu-offload is not estimated yet (FSDP moves its shards between host and card inside its "
-                        "own code, which the trace does not see): estimate without it; the card then holds at most "
-                        "that figure")
-HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations", "paged_optimizer")
+CPU_OFFLOAD_UNTRACED = ("--cpu-offload with --shard-group is not estimated yet (HSDP keeps each layer's reduced "
+                        "gradients on the card until the next layer's all-reduce): estimate it without --cpu-offload; "
+                        "the card then holds at most that figure")
+HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations", "paged_optimizer", "offloaded_parameters",
+                   "offloaded_gradients")
 """What holds host memory in a step (:attr:`Estimate.host_breakdown`)."""
 SCALER_TENSORS = 4
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -166,7 +168,8 @@ class Estimate(StepPeak):
     host_bytes: int = 0
     """Host memory the step keeps besides the device's: an offloaded optimizer's copies of the trained weights
     and gradients (pinned) and its state (``--offload-optimizer``), a micro-batch's offloaded activations
-    (``--offload-activations``); 0 otherwise."""
+    (``--offload-activations``), FSDP's parameter and gradient shards and the optimizer (``--cpu-offload``);
+    0 otherwise."""
     host_breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
     """``host_bytes`` by what holds them (:data:`HOST_CATEGORIES`) at the host's peak."""
     trace: str = "full trace"
@@ -200,7 +203,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
                                                                force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
         problems.lines.extend(device_problems(config, profile.kind))
-    if config.cpu_offload:
+    if config.cpu_offload and config.shard_group is not None:
         problems.add(CPU_OFFLOAD_UNTRACED)
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
@@ -406,8 +409,11 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
-                                          cpu_offload=config.cpu_offload)
+                                          cpu_offload=config.cpu_offload, pin_memory=execute)
                 tracker.relabel_module(model)
+                if config.cpu_offload and not execute:  # the shards and the optimizer on the host
+                    tracker.host_shards = HostShards(tracker)
+                    tracker.host_shards.offload(model)
             run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
@@ -504,7 +510,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
                        scheduler=scheduler, phases=phases, read=read,
                        after_update=None if tracker is None else functools.partial(
                            label_optimizer_state, tracker, optimizer,
-                           host_step_counters=cuda and not optimizer.defaults.get("fused")))
+                           host_step_counters=(cuda and not optimizer.defaults.get("fused"))
+                           or config.cpu_offload))
         del window_loss
         if after_step is not None:
             after_step(step)

@@ -144,12 +144,18 @@ class RecordingTracker(StorageTracker):
             block.register_forward_hook(functools.partial(self._block_ends, index))
 
     def _learn_parameters(self) -> None:
-        for index, block in enumerate(self.blocks, start=1):
-            from memfit.techniques.quantized_base import quantized_tensors
+        """Each block's weights' storages (again once FSDP2 has sharded them): a storage's address is known only
+        while it lives, so a later storage at a freed weight's address is not taken for the weight."""
+        from memfit.techniques.quantized_base import quantized_tensors
 
+        self._param_blocks.clear()
+        for index, block in enumerate(self.blocks, start=1):
             tensors = [*block.parameters(), *block.buffers(), *quantized_tensors(block)]
             for tensor in local_tensors(tensors):
-                self._param_blocks[tensor.untyped_storage()._cdata] = index
+                storage = tensor.untyped_storage()
+                if storage._cdata not in self._param_blocks:
+                    weakref.finalize(storage, self._param_blocks.pop, storage._cdata, None)
+                self._param_blocks[storage._cdata] = index
 
     def _block_starts(self, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._phase != "forward":  # a checkpointed block's recompute runs inside its backward region
@@ -271,6 +277,12 @@ class RecordingTracker(StorageTracker):
         self._out_owner = {key: owner for key, owner in self._param_blocks.items()}
         super().track_module(module)
         self._out_owner = {}
+
+    def move_to_host(self, tensors: list[torch.Tensor], category: str) -> None:
+        """A storage that moves to the host stays its block's (outside a block's run: FSDP's offloaded shards)."""
+        for tensor in local_tensors(tensors):
+            self._out_owner[tensor.untyped_storage()._cdata] = self._data_block(tensor)
+        super().move_to_host(tensors, category)
 
     def _owners_of(self, serial: int) -> tuple[int | None, int | None]:
         block, micro = self._owners[serial]

@@ -50,6 +50,7 @@ OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.O
 
 if TYPE_CHECKING:
     from memfit.memory.allocator import CachingAllocatorModel
+    from memfit.memory.host_shards import HostShards
 
 
 def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -133,19 +134,29 @@ class StorageTracker(TorchDispatchMode):
         """Host bytes per :meth:`elsewhere` category live at the host peak."""
         self._host_sizes: dict[Hashable, tuple[int, str]] = {}
         self._elsewhere: str | None = None
+        self.host_shards: HostShards | None = None
+        """FSDP2's CPU offload emulated (:mod:`memfit.memory.host_shards`): shards and the optimizer on the
+        host, their copies to and from the card."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is DEVICE_QUERY:
             return args[0].fake_device if type(args[0]) is FakeTensor else func(*args)
+        shards = self.host_shards if self._elsewhere is None else None
+        copies = shards.card_copies(func, args) if shards is not None else []
         out = func(*args, **(kwargs or {}))
         leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         self._attribute(func, args, leaves)
-        if self._elsewhere is not None:
-            self._track_host(leaves, self._elsewhere)
+        host = self._elsewhere or (shards.host_category(args) if shards is not None and not copies else None)
+        if host is not None:
+            self._track_host(leaves, host)
             return out
         self._count(func, args, kwargs, out)
         for leaf in leaves:
             self.track(leaf)
+        for key in copies:
+            self._release(key)
+        if shards is not None:
+            shards.after(func, args)
         return out
 
     def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
@@ -176,7 +187,7 @@ class StorageTracker(TorchDispatchMode):
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
-            if key in self._sizes:
+            if key in self._sizes or key in self._host_sizes:  # counted already, on the device or the host
                 continue
             raw = storage.nbytes()
             if self.budget_bytes is not None and self.live_bytes + self._rounded(raw) > self.budget_bytes:
@@ -241,9 +252,39 @@ class StorageTracker(TorchDispatchMode):
         finally:
             self._elsewhere = outer
 
+    def allocate(self, key: Hashable, nbytes: int, category: str) -> None:
+        """Count ``nbytes`` under ``key`` (a storage no tensor stands for: a copy the trace does not make)."""
+        self._allocate(key, nbytes, category)
+
+    def release(self, key: Hashable) -> None:
+        self._release(key)
+
+    def counts(self, key: Hashable) -> bool:
+        """Whether the storage ``key`` is counted on the device."""
+        return key in self._sizes
+
+    def host_category_of(self, key: Hashable) -> str | None:
+        """The host category the storage ``key`` is counted in, or ``None``."""
+        entry = self._host_sizes.get(key)
+        return entry[1] if entry is not None else None
+
+    def in_phase(self, name: str) -> bool:
+        return self._phase == name
+
+    def move_to_host(self, tensors: list[torch.Tensor], category: str) -> None:
+        """Count the storages of ``tensors`` on the host from now on (a copy there that replaces the device's)."""
+        for tensor in local_tensors(tensors):
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in self._sizes:
+                self._release(key)
+            if key not in self._host_sizes:
+                self._host_allocate(key, storage.nbytes(), category)
+                weakref.finalize(storage, self._release_host, key)
+
     def _track_host(self, leaves: list[Any], category: str) -> None:
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
+        for leaf in local_tensors(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
+            if leaf.layout != torch.strided:
                 continue
             storage = leaf.untyped_storage()
             key = storage._cdata

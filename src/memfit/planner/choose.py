@@ -53,11 +53,11 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     fits; LoRA and QLoRA of ``lora_rank`` last.
 
     ``cache``: a dict shared between calls keeps their traces (plans of one model for several budgets).
-    ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP too (not FSDP's CPU
-    offload: the estimate does not trace it yet), unless ``config.distributed`` names one; the budget is each GPU's.
-    ``suggest=False``: when nothing fits, trace only the opt-ins allowed, not what the others would need (a training
-    run, which cannot opt in to them; a table of one technique per cell). ``exact_trace``: every setup traced in full
-    rather than shortened and replayed (the same numbers, slower); ``progress(technique)``: told after each trace."""
+    ``gpus`` (default ``config.world_size``): plan one rank of that many, choosing DDP or FSDP (and CPU offload
+    on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's. ``suggest=False``: when
+    nothing fits, trace only the opt-ins allowed, not what the others would need (a training run, which cannot
+    opt in to them; a table of one technique per cell). ``exact_trace``: every setup traced in full rather than
+    shortened and replayed (the same numbers, slower); ``progress(technique)``: told after each trace."""
     started = time.perf_counter()
     base = config or TrainConfig()
     allow = allow.union(Allowed.of(base))  # a run's own --allow-* options

@@ -213,15 +213,17 @@ def leaner_kernels(family: Family) -> list[str]:
 
 
 def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
-    """What a plan for ``base.world_size`` ranks may choose from: replicate first, then shard. FSDP's CPU offload
-    is not searched: the estimate does not trace it yet (``--cpu-offload`` asked for is refused there, in one
-    line). An 8-bit optimizer replicates: its step does not run on FSDP's sharded parameters."""
+    """What a plan for ``base.world_size`` ranks may choose from: replicate first, then shard, then offload
+    (CUDA only; on CPU the shards already live in host memory; not with HSDP's shard groups, whose offload the
+    estimate does not emulate). An 8-bit optimizer replicates: its step does not run on FSDP's sharded
+    parameters."""
     if base.world_size == 1:
         return ("none",)
     if "8bit" in base.optimizer:
         return ("ddp",)
+    offload = ("fsdp-offload",) if profile.kind == "cuda" and base.shard_group is None else ()
     if base.distributed == "ddp":
         return ("ddp",)
     if base.distributed == "fsdp":
-        return ("fsdp-offload",) if base.cpu_offload and profile.kind == "cuda" else ("fsdp",)
-    return ("ddp", "fsdp")
+        return ("fsdp-offload",) if base.cpu_offload and profile.kind == "cuda" else ("fsdp", *offload)
+    return ("ddp", "fsdp", *offload)

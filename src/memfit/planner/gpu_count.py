@@ -1,10 +1,10 @@
 """How many GPUs, and how: ``memfit plan --max-gpus N``.
 
-For full fine-tuning and each adapter the user allows (LoRA, then QLoRA), and for each GPU count from 1 to N, the
-planner's own plan of one rank of that many (:func:`memfit.planner.plan` with ``gpus``): the memory techniques searched
-with DDP and FSDP (not FSDP's CPU offload, which the estimate does not trace yet), at the user's effective batch over
-all the GPUs (micro-batch x accumulation x GPUs), each setup's step time including its communication. Every plan traces
-the real step of one rank (a fake process group of that many ranks); the plans share their traces.
+For full fine-tuning and each adapter the user allows (LoRA, then QLoRA), and for each GPU count from 1 to N,
+the planner's own plan of one rank of that many (:func:`memfit.planner.plan` with ``gpus``): the memory
+techniques searched with DDP, FSDP and, on a card, FSDP with CPU offload, at the user's effective batch over
+all the GPUs (micro-batch x accumulation x GPUs), each setup's step time including its communication. Every
+plan traces the real step of one rank (a fake process group of that many ranks); the plans share their traces.
 
 The answer is the fewest GPUs each technique needs, and a chosen setup: the most faithful technique that fits
 (full fine-tuning, then LoRA, then QLoRA) on the fewest GPUs it needs, with the ``torchrun`` command that

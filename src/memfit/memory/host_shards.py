@@ -1,0 +1,92 @@
+"""FSDP2's CPU offload (``--cpu-offload``) as a CUDA run does it, in a trace that runs on the CPU.
+
+With ``CPUOffloadPolicy`` each rank keeps its parameter shards, their gradients and the optimizer on the host.
+Before a layer's all-gather FSDP2 copies the layer's shards to the card (and casts them to the compute dtype
+there); after the layer's reduce-scatter it copies the gradient shard to the host and drops the card's copy; the
+optimizer steps on the host. The trace runs on the CPU, where those copies are no-ops (the tensor is already on
+the CPU), and FSDP2 makes them inside its autograd hooks, where no Python-level interception runs. So they are
+given at the level every op passes, the tracker's dispatch:
+
+- the shards, once FSDP2 has made them, are the host's (``offloaded_parameters``);
+- an all-gather's input made from host shards (the compute-dtype cast, or FSDP2's copy-in op) runs on the card:
+  the shards' card copies live while it runs, its output is the card's;
+- a reduce-scatter's output (the gradient shards) moves to the host once reduced (``offloaded_gradients``);
+- any other op whose tensors are on the host runs there (the optimizer's state and update, clipping, FSDP2's
+  padding of a shard at its first forward): ``offloaded_optimizer`` in the optimizer's phase.
+
+Trade-off: the card-side copies follow FSDP2's order of work as torch 2.13 lays it out (the shard copies of a
+layer before its all-gather buffer without a cast: the same bytes live at the copy-in, a caching allocator may
+place them differently). The host figure counts the gradient shards with FSDP2's padding. HSDP (a shard group)
+keeps each layer's reduced gradients on the card until the next layer's all-reduce: not emulated, refused.
+Pinned or pageable host memory is the same bytes; fake tensors cannot pin, so the trace does not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from memfit.memory.tracker import StorageTracker
+
+SHARDS = "offloaded_parameters"
+GRADIENTS = "offloaded_gradients"
+OPTIMIZER = "offloaded_optimizer"
+CARD_SIDE = ("aten::_to_copy", "fsdp::all_gather_copy_in")
+"""Ops FSDP2 runs on the card with the shards' card copies (the cast to the compute dtype, its copy-in)."""
+REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
+
+
+class HostShards:
+    """The rules above, for ``tracker`` (which calls :meth:`card_copies`, :meth:`host_category` and
+    :meth:`after` around every op it sees while :attr:`StorageTracker.host_shards` is set)."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker = tracker
+        self._copies = itertools.count()
+
+    def offload(self, module: torch.nn.Module) -> None:
+        """The sharded module's parameters (its shards) move to the host."""
+        self.tracker.move_to_host(list(module.parameters()), SHARDS)
+
+    def card_copies(self, func: Any, args: Any) -> list[tuple[str, int]]:
+        """Before a card-side op on host shards: their card copies, allocated (released by the caller after
+        the op)."""
+        if func._schema.name not in CARD_SIDE or self.tracker.in_phase("optimizer"):
+            return []
+        copies = []
+        for storage in self._host_storages(args):
+            key = ("card copy", next(self._copies))
+            self.tracker.allocate(key, storage.nbytes(), "temporaries")
+            copies.append(key)
+        return copies
+
+    def host_category(self, args: Any) -> str | None:
+        """Where an op whose tensors are on the host (one at least, none on the card) puts its outputs."""
+        keys = [tensor.untyped_storage()._cdata for tensor in self._local(args)]
+        hosts = [category for key in keys for category in [self.tracker.host_category_of(key)] if category]
+        if not hosts or any(self.tracker.counts(key) for key in keys):
+            return None
+        return OPTIMIZER if self.tracker.in_phase("optimizer") else hosts[0]
+
+    def after(self, func: Any, args: Any) -> None:
+        """A reduce-scatter's output (the gradient shards) moves to the host."""
+        if func._schema.name == REDUCE_SCATTER:
+            self.tracker.move_to_host([args[0]], GRADIENTS)
+
+    def _host_storages(self, args: Any) -> list[torch.UntypedStorage]:
+        seen: dict[int, torch.UntypedStorage] = {}
+        for tensor in self._local(args):
+            storage = tensor.untyped_storage()
+            if self.tracker.host_category_of(storage._cdata) == SHARDS:
+                seen.setdefault(storage._cdata, storage)
+        return list(seen.values())
+
+    @staticmethod
+    def _local(args: Any) -> list[torch.Tensor]:
+        from memfit.memory.tracker import local_tensors
+
+        return list(local_tensors(leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)))

@@ -1,0 +1,48 @@
+"""FSDP2's CPU offload in a per-rank estimate: the shards, their gradients and the optimizer on the host, the card
+keeping only what a layer's all-gather and reduce-scatter need while they run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memfit import TrainConfig
+from memfit.memory.estimate import estimate
+from tests.conftest import TINY_LLAMA, write_model_dir
+
+RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("offload") / "llama", {**TINY_LLAMA, "vocab_size": 64})
+
+
+def padded_shard_bytes(model: Path) -> int:
+    """One rank's fp32 shards as FSDP2 pads them: each parameter's first dimension split over the ranks, rounded
+    up (counted from the model's shapes, not from the trace)."""
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return sum(math.ceil(p.shape[0] / RANKS) * (p.numel() // p.shape[0]) * 4 for p in built.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_shards_gradients_and_optimizer_live_on_the_host(llama: Path, precision: str) -> None:
+    config = TrainConfig(model=str(llama), task="causal-lm", max_length=16, world_size=RANKS, distributed="fsdp",
+                         precision=precision)
+    plain = estimate(config, device="4090", seq_len=16)
+    offloaded = estimate(dataclasses.replace(config, cpu_offload=True), device="4090", seq_len=16)
+    assert plain.breakdown["parameters"] > 0 and plain.breakdown["optimizer_state"] > 0
+    assert offloaded.breakdown["parameters"] == offloaded.breakdown["optimizer_state"] == 0
+    assert offloaded.breakdown["gradients"] == 0
+    host = offloaded.host_breakdown
+    shards = padded_shard_bytes(llama)
+    assert host["offloaded_parameters"] == host["offloaded_gradients"] == shards
+    assert host["offloaded_optimizer"] >= 2 * shards  # AdamW's two states, beside the step's temporaries
+    assert offloaded.host_bytes == sum(host.values())
+    assert offloaded.peak_bytes < plain.peak_bytes
