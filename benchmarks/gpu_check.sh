@@ -5,7 +5,8 @@
 #   summary.json     the same as data;
 #   results.tar.gz   everything else (logs, validate_estimator.json, bench.json/md/png).
 # The steps, each under its own time limit so the whole run ends in time:
-#   1. the tests marked gpu (tests/gpu), then (on a GPU) the cuBLAS workspace probe;
+#   1. the tests marked gpu (tests/gpu), then (on a GPU) the cuBLAS workspace probe and the NCCL probe (what a
+#      one-rank NCCL communicator and its first collectives take outside PyTorch's allocator);
 #   2. the estimator validation grid (predicted vs measured peak allocated/reserved per setup), BERT, ViT and
 #      two causal LMs (SmolLM2-360M, Llama-3.2-1B with its top 4 layers trained); then (on a GPU) the rows with
 #      activations offloaded to the host (--offload-activations; predicted vs measured host bytes too), and
@@ -65,6 +66,7 @@ cat "$WORK/results/device.txt"
 
 step tests_gpu 75 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/gpu
 [ $DRY_RUN = 1 ] || step workspace_probe 20 $PY benchmarks/cuda_workspace_probe.py
+[ $DRY_RUN = 1 ] || step nccl_probe 30 $PY benchmarks/nccl_probe.py --json "$WORK/results/nccl_probe.json"
 step validate_estimator 170 $PY benchmarks/validate_estimator.py "${GRID[@]}" \
     --json "$WORK/results/validate_estimator.json"
 [ $DRY_RUN = 1 ] || step validate_offload 60 $PY benchmarks/validate_estimator.py --grid activations \

@@ -5,8 +5,9 @@ is and check at import that they define exactly these."""
 from __future__ import annotations
 
 LLM_PRESETS = ("smollm2-135m", "smollm2-360m", "smollm2-1.7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b",
-               "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "phi-3.5-mini",
-               "gemma-2-2b", "olmoe-1b-7b", "deepseek-v2-lite", "gpt-oss-20b", "qwen3-30b-a3b", "mixtral-8x7b")
+               "qwen2.5-7b", "qwen2.5-32b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b",
+               "mistral-7b", "phi-3.5-mini", "gemma-2-2b", "olmoe-1b-7b", "deepseek-v2-lite", "gpt-oss-20b",
+               "qwen3-30b-a3b", "mixtral-8x7b")
 """Decoder LLM presets: causal-LM fine-tuning by default. ``smollm2-135m`` is pretrained (packaged). The last five
 are mixture-of-experts models."""
 PRESETS = ("minilm", "bert-base", "bert-large", "roberta-base", "distilbert-base", "gpt2", "vit-base", "vit-large",

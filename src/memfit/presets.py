@@ -92,6 +92,10 @@ LLM_PRESET_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen2.5-7b": lambda: _qwen2(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  tie_word_embeddings=False),
+    # Qwen/Qwen2.5-32B-Instruct
+    "qwen2.5-32b": lambda: _qwen2(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                                  num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                                  tie_word_embeddings=False),
     # meta-llama/Llama-3.2-1B-Instruct
     "llama-3.2-1b": lambda: _llama(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
@@ -108,6 +112,12 @@ LLM_PRESET_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
                                    max_position_embeddings=131072,
                                    rope_parameters=_rope(500000.0, **{**LLAMA3_ROPE, "factor": 8.0}),
                                    tie_word_embeddings=False),
+    # meta-llama/Llama-3.1-70B-Instruct
+    "llama-3.1-70b": lambda: _llama(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                    num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                    max_position_embeddings=131072,
+                                    rope_parameters=_rope(500000.0, **{**LLAMA3_ROPE, "factor": 8.0}),
+                                    tie_word_embeddings=False),
     # mistralai/Mistral-7B-Instruct-v0.3
     "mistral-7b": lambda: transformers.MistralConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

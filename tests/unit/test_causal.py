@@ -148,6 +148,7 @@ def test_a_completion_longer_than_max_length_and_chat_without_template_are_refus
 
 def test_llm_presets_have_their_published_sizes() -> None:
     expected = {"llama-3.2-1b": 1.236, "llama-3.1-8b": 8.03, "qwen2.5-0.5b": 0.494, "qwen2.5-7b": 7.616,
+                "qwen2.5-32b": 32.764, "llama-3.1-70b": 70.554,  # the safetensors' counts (32.8 B, 70.6 B)
                 "mistral-7b": 7.248, "phi-3.5-mini": 3.821, "gemma-2-2b": 2.614, "smollm2-1.7b": 1.711,
                 # mixture-of-experts: every expert counted (OLMoE 6.9 B, DeepSeek-V2-Lite 15.7 B, gpt-oss 20.9 B,
                 # Qwen3-30B-A3B 30.5 B, Mixtral 46.7 B as published)

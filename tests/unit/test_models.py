@@ -12,9 +12,10 @@ from memfit.models import PRESETS, build_model, embedding_modules, load_tokenize
 from tests.conftest import TINY_GPT2, TINY_VIT, write_model_dir
 
 LAYERS = {"bert-large": 24, "vit-large": 24, "distilbert-base": 6, "smollm2-360m": 32, "smollm2-1.7b": 24,
-          "qwen2.5-0.5b": 24, "qwen2.5-1.5b": 28, "qwen2.5-3b": 36, "qwen2.5-7b": 28, "llama-3.2-1b": 16,
-          "llama-3.2-3b": 28, "llama-3.1-8b": 32, "mistral-7b": 32, "phi-3.5-mini": 32, "gemma-2-2b": 26,
-          "olmoe-1b-7b": 16, "deepseek-v2-lite": 27, "gpt-oss-20b": 24, "qwen3-30b-a3b": 48, "mixtral-8x7b": 32}
+          "qwen2.5-0.5b": 24, "qwen2.5-1.5b": 28, "qwen2.5-3b": 36, "qwen2.5-7b": 28, "qwen2.5-32b": 64,
+          "llama-3.2-1b": 16, "llama-3.2-3b": 28, "llama-3.1-8b": 32, "llama-3.1-70b": 80, "mistral-7b": 32,
+          "phi-3.5-mini": 32, "gemma-2-2b": 26, "olmoe-1b-7b": 16, "deepseek-v2-lite": 27, "gpt-oss-20b": 24,
+          "qwen3-30b-a3b": 48, "mixtral-8x7b": 32}
 
 
 @pytest.mark.parametrize("name", [p for p in PRESETS if p not in ("minilm", "smollm2-135m")])
