@@ -222,6 +222,12 @@ def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu
     return model
 
 
+def hybrid(world_size: int, shard_group: int | None) -> bool:
+    """Whether ``shard_group`` makes FSDP2 hybrid (HSDP: groups that shard, replicated across each other); a
+    group of every rank is plain FSDP."""
+    return shard_group is not None and shard_group < world_size
+
+
 def device_mesh(device_type: str, shard_group: int | None = None) -> Any:
     """The mesh FSDP2 shards over (made outside any fake-tensor mode: it is real process-group state): all ranks,
     or with ``shard_group`` a 2-D mesh of groups that each shard and replicate across each other (HSDP: FSDP2
@@ -229,7 +235,7 @@ def device_mesh(device_type: str, shard_group: int | None = None) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     ranks = dist.get_world_size()
-    if shard_group is None or shard_group >= ranks:
+    if shard_group is None or not hybrid(ranks, shard_group):
         return init_device_mesh(device_type, (ranks,))
     return init_device_mesh(device_type, (ranks // shard_group, shard_group), mesh_dim_names=("replicate", "shard"))
 

@@ -508,9 +508,8 @@ def test_a_shard_group_is_kept_by_the_sharded_families_only() -> None:
 
     base = TrainConfig(distributed="fsdp", world_size=4, shard_group=2)
     configs = {strategy: Family(precision="fp32", checkpointing="none", kernels="loop", strategy=strategy).configure(
-        base, micro_batch_size=1, effective_batch=8) for strategy in ("ddp", "fsdp", "fsdp-offload")}
-    assert {strategy: config.shard_group for strategy, config in configs.items()} == {
-        "ddp": None, "fsdp": 2, "fsdp-offload": 2}
+        base, micro_batch_size=1, effective_batch=8) for strategy in ("ddp", "fsdp")}
+    assert {strategy: config.shard_group for strategy, config in configs.items()} == {"ddp": None, "fsdp": 2}
     for config in configs.values():
         config.validate()
 
@@ -525,6 +524,8 @@ def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() 
     assert strategies(TrainConfig(distributed="auto", world_size=2), card) == ("ddp", "fsdp", "fsdp-offload")
     assert strategies(TrainConfig(distributed="auto", world_size=2), cpu) == ("ddp", "fsdp")
     assert strategies(TrainConfig(distributed="fsdp", world_size=4, shard_group=2), card) == ("fsdp",)
+    whole = TrainConfig(distributed="fsdp", world_size=4, shard_group=4)  # one group of every rank: plain FSDP
+    assert strategies(whole, card) == ("fsdp", "fsdp-offload")
     hybrid = TrainConfig(distributed="fsdp", world_size=4, shard_group=2, cpu_offload=True)
     with pytest.raises(ConfigError, match="--cpu-offload with --shard-group is not estimated yet"):
         estimate(hybrid, device=card, seq_len=16)

@@ -48,8 +48,8 @@ from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.integrations import trainer_compat as compat
 from memfit.memory.allocator import CachingAllocatorModel
-from memfit.memory.emulation import CudaEmulation
-from memfit.memory.estimate import CATEGORIES, StepPeak, cublas_workspace_bytes, label_gradients, label_optimizer_state
+from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
+from memfit.memory.estimate import CATEGORIES, StepPeak, label_gradients, label_optimizer_state
 from memfit.memory.mask_values import known_masks
 from memfit.memory.moe import GroupedMatmulShapes
 from memfit.memory.norm_stats import NormStatsDtypes

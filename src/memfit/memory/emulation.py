@@ -48,11 +48,14 @@ import functools
 import sys
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
+
+if TYPE_CHECKING:
+    from memfit.memory.allocator import CachingAllocatorModel
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -270,3 +273,15 @@ def _to_fp32(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION:
         return value.float()
     return value
+
+
+def cublas_workspace_bytes(model: torch.nn.Module, emulation: CudaEmulation | None,
+                           allocator: CachingAllocatorModel | None, *, recompute: bool) -> int:
+    """cuBLAS's workspaces on a CUDA target (:func:`memfit.memory.emulation.cublas_workspaces`), allocated in
+    ``allocator``; 0 without an emulated card."""
+    if emulation is None:
+        return 0
+    biased = any(isinstance(module, torch.nn.Linear) and module.bias is not None for module in model.modules())
+    sizes = cublas_workspaces(emulation.compute_capability, biased_linear=biased, recompute=recompute)
+    return sum(allocator.allocate(-100 - key, size) if allocator is not None else size
+               for key, size in enumerate(sizes))

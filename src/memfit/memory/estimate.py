@@ -59,8 +59,8 @@ from memfit.errors import ConfigError, Problems
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
-from memfit.memory.emulation import CudaEmulation, cublas_workspaces
-from memfit.memory.host_shards import HostShards
+from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
+from memfit.memory.host_shards import HostShards, offload_problems, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.moe import GroupedMatmulShapes
 from memfit.memory.monitor import timeline_record
@@ -100,9 +100,6 @@ from memfit.techniques.stability import assume_finite, read_values
 
 CATEGORIES = ("parameters", "frozen_parameters", "quantized_weights", "gradients", "optimizer_state",
               "kahan_compensation", "activations", "logits_and_loss", "temporaries", "inputs", "workspaces")
-CPU_OFFLOAD_UNTRACED = ("--cpu-offload with --shard-group is not estimated yet (HSDP keeps each layer's reduced "
-                        "gradients on the card until the next layer's all-reduce): estimate it without --cpu-offload; "
-                        "the card then holds at most that figure")
 HOST_CATEGORIES = ("offloaded_optimizer", "offloaded_activations", "paged_optimizer", "offloaded_parameters",
                    "offloaded_gradients")
 """What holds host memory in a step (:attr:`Estimate.host_breakdown`)."""
@@ -203,8 +200,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
                                                                force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
         problems.lines.extend(device_problems(config, profile.kind))
-    if config.cpu_offload and config.shard_group is not None:
-        problems.add(CPU_OFFLOAD_UNTRACED)
+    problems.lines.extend(offload_problems(config))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(architecture_problems(spec.hf_config))
@@ -412,12 +408,13 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                                           cpu_offload=config.cpu_offload, pin_memory=execute)
                 tracker.relabel_module(model)
                 if config.cpu_offload and not execute:  # the shards and the optimizer on the host
-                    tracker.host_shards = HostShards(tracker)
-                    tracker.host_shards.offload(model)
+                    offloaded(tracker, model)
             run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
                       persistent_grads=strategy == "ddp")
+            if isinstance(tracker.host_shards, HostShards):
+                tracker.host_shards.check()
     attention_flops = emulation.attention_flops if emulation is not None else 0
     return _TracedRun(tracker=tracker, allocator=allocator, scaler_bytes=scaler_bytes, workspace_bytes=workspace_bytes,
                       trainable=trainable, parameters=total, ops=tracker.op_count, phase_ops=dict(tracker.phase_ops),
@@ -511,7 +508,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
                        after_update=None if tracker is None else functools.partial(
                            label_optimizer_state, tracker, optimizer,
                            host_step_counters=(cuda and not optimizer.defaults.get("fused"))
-                           or config.cpu_offload))
+                           or (config.cpu_offload and world_size > 1)))
         del window_loss
         if after_step is not None:
             after_step(step)
@@ -591,18 +588,6 @@ def _persistent_bytes(model: torch.nn.Module, config: TrainConfig, precision: Pr
                        for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
     workspace_bytes = cublas_workspace_bytes(model, emulation, allocator, recompute=config.checkpointing != "none")
     return scaler_bytes, workspace_bytes
-
-
-def cublas_workspace_bytes(model: torch.nn.Module, emulation: CudaEmulation | None,
-                           allocator: CachingAllocatorModel | None, *, recompute: bool) -> int:
-    """cuBLAS's workspaces on a CUDA target (:func:`memfit.memory.emulation.cublas_workspaces`), allocated in
-    ``allocator``; 0 without an emulated card."""
-    if emulation is None:
-        return 0
-    biased = any(isinstance(module, torch.nn.Linear) and module.bias is not None for module in model.modules())
-    sizes = cublas_workspaces(emulation.compute_capability, biased_linear=biased, recompute=recompute)
-    return sum(allocator.allocate(-100 - key, size) if allocator is not None else size
-               for key, size in enumerate(sizes))
 
 
 def label_gradients(tracker: StorageTracker, trained: list[torch.nn.Parameter]) -> None:

@@ -24,13 +24,14 @@ Pinned or pageable host memory is the same bytes; fake tensors cannot pin, so th
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-if TYPE_CHECKING:
-    from memfit.memory.tracker import StorageTracker
+from memfit.config import TrainConfig
+from memfit.errors import ConfigError
+from memfit.memory.tracker import StorageTracker, local_tensors
 
 SHARDS = "offloaded_parameters"
 GRADIENTS = "offloaded_gradients"
@@ -41,16 +42,47 @@ REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
 
 
 class HostShards:
-    """The rules above, for ``tracker`` (which calls :meth:`card_copies`, :meth:`host_category` and
-    :meth:`after` around every op it sees while :attr:`StorageTracker.host_shards` is set)."""
+    """The rules above, for ``tracker`` (which runs every op it sees through :meth:`dispatch` while
+    :attr:`StorageTracker.host_shards` is set)."""
 
     def __init__(self, tracker: StorageTracker) -> None:
         self.tracker = tracker
         self._copies = itertools.count()
+        self.reduced = 0
+        """Reduce-scatters seen (their outputs moved to the host)."""
 
     def offload(self, module: torch.nn.Module) -> None:
         """The sharded module's parameters (its shards) move to the host."""
         self.tracker.move_to_host(list(module.parameters()), SHARDS)
+
+    def dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Run one op the tracker sees, on the side of the rules above, and count it there."""
+        tracker = self.tracker
+        copies = self.card_copies(func, (args, kwargs))
+        try:
+            out = func(*args, **kwargs)
+            leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+            tracker.attribute(func, args, leaves)
+            host = None if copies else self.host_category((args, kwargs))
+            if host is not None:
+                tracker.track_host(leaves, host)
+                return out
+            tracker.count_outputs(func, args, kwargs, out, leaves)
+        finally:
+            for key in copies:
+                tracker.release(key)
+        if func._schema.name == REDUCE_SCATTER:  # the gradient shards move to the host
+            tracker.move_to_host([args[0]], GRADIENTS)
+            self.reduced += 1
+        return out
+
+    def check(self) -> None:
+        """After a step: FSDP2 reduce-scattered through the op the rules know (another torch's FSDP2 may not,
+        and its gradient shards would stay counted on the card)."""
+        if not self.reduced:
+            raise ConfigError(f"--cpu-offload: this torch's FSDP2 ({torch.__version__}) reduces gradients "
+                              f"without {REDUCE_SCATTER}, which the estimate's offload emulation follows; "
+                              "estimate without --cpu-offload (the card then holds at most that figure)")
 
     def card_copies(self, func: Any, args: Any) -> list[tuple[str, int]]:
         """Before a card-side op on host shards: their card copies, allocated (released by the caller after
@@ -72,11 +104,6 @@ class HostShards:
             return None
         return OPTIMIZER if self.tracker.in_phase("optimizer") else hosts[0]
 
-    def after(self, func: Any, args: Any) -> None:
-        """A reduce-scatter's output (the gradient shards) moves to the host."""
-        if func._schema.name == REDUCE_SCATTER:
-            self.tracker.move_to_host([args[0]], GRADIENTS)
-
     def _host_storages(self, args: Any) -> list[torch.UntypedStorage]:
         seen: dict[int, torch.UntypedStorage] = {}
         for tensor in self._local(args):
@@ -87,6 +114,22 @@ class HostShards:
 
     @staticmethod
     def _local(args: Any) -> list[torch.Tensor]:
-        from memfit.memory.tracker import local_tensors
-
         return list(local_tensors(leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)))
+
+
+def offload_problems(config: TrainConfig) -> list[str]:
+    """What of ``--cpu-offload`` the estimate cannot emulate: HSDP's (a group smaller than the ranks)."""
+    from memfit.distributed import hybrid
+
+    if config.cpu_offload and hybrid(config.world_size, config.shard_group):
+        return ["--cpu-offload with --shard-group is not estimated yet (HSDP keeps each layer's reduced gradients on "
+                "the card until the next layer's all-reduce): estimate it without --cpu-offload; the card then holds "
+                "at most that figure"]
+    return []
+
+
+def offloaded(tracker: StorageTracker, model: torch.nn.Module) -> None:
+    """From now on ``tracker`` counts ``model``'s FSDP2 shards, their gradients and the optimizer on the host."""
+    shards = HostShards(tracker)
+    tracker.host_shards = shards
+    shards.offload(model)

@@ -541,7 +541,7 @@ def _frees_in_order(events: list[Event], axis: int, owner: dict[Hashable, int | 
             out.append(events[end])
             if events[end][0] == "p":
                 phases.append(events[end][3])
-            elif events[end][0] == "q":
+            elif events[end][0] == "q" and len(phases) > 1:
                 phases.pop()
         start = end + 1
     return out

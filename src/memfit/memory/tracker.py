@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Hashable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -50,7 +50,6 @@ OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.O
 
 if TYPE_CHECKING:
     from memfit.memory.allocator import CachingAllocatorModel
-    from memfit.memory.host_shards import HostShards
 
 
 def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -94,6 +93,12 @@ def _weight_categories(module: torch.nn.Module) -> list[tuple[list[torch.Tensor]
             ([p for p in parameters if not p.requires_grad] + list(module.buffers()), "frozen_parameters")]
 
 
+class OpRouter(Protocol):
+    """Runs and counts each op in a tracker's place (:class:`memfit.memory.host_shards.HostShards`)."""
+
+    def dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any: ...
+
+
 class StorageTracker(TorchDispatchMode):
     def __init__(self, *, round_to: int = 1, allocator: CachingAllocatorModel | None = None,
                  budget_bytes: int | None = None, count_flops: bool = False) -> None:
@@ -134,30 +139,36 @@ class StorageTracker(TorchDispatchMode):
         """Host bytes per :meth:`elsewhere` category live at the host peak."""
         self._host_sizes: dict[Hashable, tuple[int, str]] = {}
         self._elsewhere: str | None = None
-        self.host_shards: HostShards | None = None
-        """FSDP2's CPU offload emulated (:mod:`memfit.memory.host_shards`): shards and the optimizer on the
-        host, their copies to and from the card."""
+        self.host_shards: OpRouter | None = None
+        """FSDP2's CPU offload emulated (:class:`memfit.memory.host_shards.HostShards`): every op runs through it,
+        which counts the shards and the optimizer on the host, their copies to and from the card."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is DEVICE_QUERY:
             return args[0].fake_device if type(args[0]) is FakeTensor else func(*args)
         shards = self.host_shards if self._elsewhere is None else None
-        copies = shards.card_copies(func, args) if shards is not None else []
+        if shards is not None:
+            return shards.dispatch(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         self._attribute(func, args, leaves)
-        host = self._elsewhere or (shards.host_category(args) if shards is not None and not copies else None)
-        if host is not None:
-            self._track_host(leaves, host)
+        if self._elsewhere is not None:
+            self._track_host(leaves, self._elsewhere)
             return out
+        self.count_outputs(func, args, kwargs, out, leaves)
+        return out
+
+    def count_outputs(self, func: Any, args: Any, kwargs: Any, out: Any, leaves: list[torch.Tensor]) -> None:
+        """Count an op of the device and the storages of its outputs."""
         self._count(func, args, kwargs, out)
         for leaf in leaves:
             self.track(leaf)
-        for key in copies:
-            self._release(key)
-        if shards is not None:
-            shards.after(func, args)
-        return out
+
+    def attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
+        self._attribute(func, args, leaves)
+
+    def track_host(self, leaves: list[Any], category: str) -> None:
+        self._track_host(leaves, category)
 
     def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
         """Before an op's outputs are counted: nothing here (a recording tracker says whose they are)."""

@@ -221,7 +221,9 @@ def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
         return ("none",)
     if "8bit" in base.optimizer:
         return ("ddp",)
-    offload = ("fsdp-offload",) if profile.kind == "cuda" and base.shard_group is None else ()
+    from memfit.distributed import hybrid
+
+    offload = ("fsdp-offload",) if profile.kind == "cuda" and not hybrid(base.world_size, base.shard_group) else ()
     if base.distributed == "ddp":
         return ("ddp",)
     if base.distributed == "fsdp":
