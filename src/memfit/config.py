@@ -518,6 +518,12 @@ def _check_planning(problems: Problems, config: TrainConfig) -> None:
     problems.lines.extend(_gpu_profile_problems(config.device_profile, "--device-profile"))
 
 
+def runs_sharded(optimizer: str) -> bool:
+    """Whether ``optimizer``'s step runs on FSDP's sharded parameters: bitsandbytes' 8-bit step runs on whole
+    tensors, so 8-bit states replicate (DDP) on several GPUs."""
+    return "8bit" not in optimizer
+
+
 def _check_distributed(problems: Problems, config: TrainConfig) -> None:
     _check_choice(problems, "distributed", config.distributed, DISTRIBUTED)
     _check_positive(problems, "world_size", config.world_size)
@@ -533,7 +539,7 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         if group < 1 or (config.world_size > 1 and config.world_size % group):
             problems.add(f"--shard-group {group} must divide the {config.world_size} ranks into equal groups (e.g. "
                          "the GPUs of one node)")
-    if "8bit" in config.optimizer and config.distributed == "fsdp":
+    if not runs_sharded(config.optimizer) and config.distributed == "fsdp":
         problems.add(f"--optimizer {config.optimizer}: bitsandbytes' 8-bit step runs on whole tensors, not on FSDP's "
                      "sharded parameters; use --distributed ddp (every rank keeps the 8-bit states) or --optimizer "
                      "adamw")

@@ -51,7 +51,7 @@ from memfit.build import (
     resolve_task,
     task_fit_problems,
 )
-from memfit.config import TrainConfig
+from memfit.config import TrainConfig, runs_sharded
 from memfit.data.batches import Batch
 from memfit.data.packing import packing_problems
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
@@ -554,7 +554,7 @@ def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int 
     if config.distributed != "auto":
         return config.distributed
     budget = budget_bytes or (profile.memory_bytes if profile.kind == "cuda" else None)
-    if budget is None or "8bit" in config.optimizer:
+    if budget is None or not runs_sharded(config.optimizer):
         return "ddp"
     replica = estimate(distributed.replica_config(config), device=profile)
     return "ddp" if replica.total_bytes <= budget else "fsdp"

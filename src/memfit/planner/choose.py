@@ -15,7 +15,7 @@ from rich.console import Console
 from memfit import distributed
 from memfit.build import Prepared
 from memfit.commands import launcher
-from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig
+from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig, runs_sharded
 from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
 from memfit.errors import ConfigError, NothingFits, Problems
 from memfit.memory.depth import parameter_count
@@ -305,11 +305,6 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             if chosen is not None:
                 return chosen
     return None
-
-
-def runs_sharded(optimizer: str) -> bool:
-    """Whether ``optimizer``'s step runs on FSDP's sharded parameters (bitsandbytes' 8-bit step does not)."""
-    return "8bit" not in optimizer
 
 
 def _leanest_step(family: Family, optimizers: tuple[str, ...], profile: DeviceProfile) -> Family:

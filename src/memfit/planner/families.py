@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.config import TrainConfig
+from memfit.config import TrainConfig, runs_sharded
 from memfit.devices import DeviceProfile
 
 CHECKPOINTING = ("none", "every-2", "full")
@@ -219,7 +219,7 @@ def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
     parameters."""
     if base.world_size == 1:
         return ("none",)
-    if "8bit" in base.optimizer:
+    if not runs_sharded(base.optimizer):
         return ("ddp",)
     from memfit.distributed import hybrid
 

@@ -26,7 +26,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.config import TrainConfig
+from memfit.config import TrainConfig, runs_sharded
 from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.planner.allowed import Advice, Allowed
@@ -83,7 +83,7 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         if family.offload_optimizer or (optimizer.startswith("paged") and profile.kind != "cuda"):
             return None
         strategy = family.strategy
-        if strategy.startswith("fsdp"):  # its step does not run on sharded parameters: replicated instead
+        if strategy.startswith("fsdp") and not runs_sharded(optimizer):  # replicated instead
             if search.base.distributed == "fsdp":
                 return None
             strategy = "ddp"
