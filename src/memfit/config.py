@@ -110,8 +110,7 @@ class TrainConfig:
     """Plan for this GPU (``1080ti``, a profile file) and run that plan on this machine, the card's memory (or
     ``budget``) emulated as the limit: a rehearsal of the card's run before renting it."""
     allow_freeze: bool = False
-    """Planning opt-in (changes what is learned): freeze the embeddings or the lower layers if nothing else
-    fits."""
+    """Planning opt-in (changes what is learned): freeze the embeddings or the lower layers if nothing else fits."""
     allow_8bit_optimizer: bool = False
     """Planning opt-in: bitsandbytes' 8-bit AdamW states if nothing else fits."""
     allow_offload: bool = False
@@ -511,16 +510,14 @@ def _check_planning(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--device-profile {config.device_profile} plans for that card and runs here; drop --device "
                      f"{config.device} (or --device-profile)")
     if config.emulate_budget is not None:
-        problems.add("--device-profile runs with the card's memory (or --budget) as the limit; drop "
-                     "--emulate-budget")
+        problems.add("--device-profile runs with the card's memory (or --budget) as the limit; drop --emulate-budget")
     if config.plan is not None:
         problems.add("--device-profile plans for that card; a saved --plan has chosen already: drop one of them")
     problems.lines.extend(_gpu_profile_problems(config.device_profile, "--device-profile"))
 
 
 def runs_sharded(optimizer: str) -> bool:
-    """Whether ``optimizer``'s step runs on FSDP's sharded parameters: bitsandbytes' 8-bit step runs on whole
-    tensors, so 8-bit states replicate (DDP) on several GPUs."""
+    """Whether ``optimizer``'s step runs on FSDP's shards (bitsandbytes' 8-bit step needs whole tensors)."""
     return "8bit" not in optimizer
 
 
@@ -531,8 +528,7 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--world-size {config.world_size} needs --distributed ddp, fsdp or auto")
     if config.cpu_offload and config.distributed not in ("fsdp", "auto"):
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
-    group = config.shard_group
-    if group is not None:
+    if (group := config.shard_group) is not None:
         if config.distributed != "fsdp":
             problems.add("--shard-group shards FSDP's parameters within groups of ranks; use it with --distributed "
                          "fsdp")
