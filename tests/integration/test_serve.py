@@ -295,7 +295,9 @@ def test_the_page_plans_in_a_browser(server_url: str, tiny_llm: Path, tmp_path: 
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.goto(server_url)
-        assert page.locator(f"#models option[value='{HUB_MODEL}']").count() == 1  # offered: it is cached
+        # offered, it is cached: the page fills its list from /api/options after loading, so wait for it
+        page.wait_for_selector(f"#models option[value='{HUB_MODEL}']", state="attached", timeout=30_000)
+        assert page.locator(f"#models option[value='{HUB_MODEL}']").count() == 1
         page.fill("input[name=model]", HUB_MODEL)
         page.fill("input[name=seq-len]", SMALL["seq-len"])
         page.fill("input[name=effective-batch]", SMALL["effective-batch"])
