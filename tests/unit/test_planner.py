@@ -241,6 +241,20 @@ def test_plan_takes_the_effective_batch_of_its_config_file(tmp_path: Path, capsy
     assert json.loads(capsys.readouterr().out)["effective_batch"] == 2
 
 
+def _parameters(model: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
+
+
+def _lora_traced(model: Path, device: str) -> int:
+    """The least budget at which LoRA's least need is traced: its base in 16 bits (and the card's memory outside
+    PyTorch) within the usable bytes."""
+    from memfit.devices import resolve_profile
+
+    return int((2 * _parameters(model) + resolve_profile(device).non_pytorch_bytes) / 0.95) + 2
+
+
 @pytest.mark.slow
 def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path: Path) -> None:
     """Weights dominate this model: full fine-tuning needs the most, LoRA less, LoRA on an NF4 base least.
@@ -255,11 +269,16 @@ def test_lora_then_qlora_are_planned_in_order_of_fidelity_when_allowed(tmp_path:
         return plan(config, device="cpu", budget=int(budget / 0.95), seq_len=16, cache=traces, lora_rank=4,
                     precisions=("fp32",), **options)
 
-    probe = planned(1000)  # nothing fits: each technique's least need, traced exactly
+    floor = 2 * _parameters(model) + 1  # a LoRA base in 16 bits alone is over any budget below
+    below = planned(floor - 2)  # LoRA's least need is not traced: its base alone is over the budget
+    assert f"--allow-lora (r=4) would not fit either: its base weights alone need at least " \
+           f"{format_bytes(floor - 1)}" in below.verdict
+    assert not any(c.family.technique == "lora" for c in below.candidates)
+    probe = planned(floor)  # nothing fits: each technique's least need, traced exactly
     needs = {technique: min(c.predicted_peak_bytes or 0 for c in probe.candidates
                             if c.exact and c.family.technique == technique) for technique in ("full", "lora", "qlora")}
     assert needs["full"] > needs["lora"] > needs["qlora"]
-    assert "--allow-lora (r=4) would not fit either" in probe.verdict
+    assert "--allow-lora (r=4) would not fit either: it needs at least" in probe.verdict
 
     between = (needs["lora"] + needs["full"]) // 2
     lora = planned(between, allow=Allowed(lora=True, qlora=True))
@@ -396,7 +415,7 @@ def test_a_lora_that_fits_only_in_16_bits_is_planned(tmp_path: Path) -> None:
     model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 256, "intermediate_size": 512})
     config = TrainConfig(model=str(model), max_length=16, effective_batch=2, task="causal-lm")
     traces: dict[Any, Estimate] = {}
-    probe = plan(config, device="4090", budget="1MiB", seq_len=16, cache=traces, lora_rank=4,
+    probe = plan(config, device="4090", budget=_lora_traced(model, "4090"), seq_len=16, cache=traces, lora_rank=4,
                  allow=Allowed(lora=True), suggest=False)  # LoRA's least need, nothing else
     needs: dict[str, int] = {}
     for candidate in probe.candidates:
@@ -484,7 +503,7 @@ def test_families_that_checkpoint_less_than_a_least_need_that_does_not_fit_are_n
         return plan(config, device="cpu", budget=budget, seq_len=512, cache=traces, lora_rank=4,
                     precisions=("fp32",), **options)
 
-    probe = planned(1000)
+    probe = planned(_lora_traced(model, "cpu"))
     needs = {c.family.loss_chunk: c.predicted_peak_bytes or 0 for c in probe.candidates
              if c.exact and c.family.technique == "lora" and c.family.checkpointing == "full"}
     full = min(c.predicted_peak_bytes or 0 for c in probe.candidates if c.exact and c.family.technique == "full")
@@ -529,3 +548,34 @@ def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() 
     hybrid = TrainConfig(distributed="fsdp", world_size=4, shard_group=2, cpu_offload=True)
     with pytest.raises(ConfigError, match="--cpu-offload with --shard-group is not estimated yet"):
         estimate(hybrid, device=card, seq_len=16)
+
+
+def test_a_family_whose_traced_least_need_does_not_fit_is_not_traced_again(tmp_path: Path) -> None:
+    """A family whose micro-batch 1 was traced already (a stage's least need) and is over the budget gets no line:
+    a larger micro-batch keeps more, so no split fits, and nothing more is traced. Over a budget it fits, its line
+    is traced as usual."""
+    from memfit.devices import resolve_profile
+    from memfit.planner.families import Family
+    from memfit.planner.search import Search
+    from tests.conftest import write_tiny_llm
+
+    config = TrainConfig(model=str(write_tiny_llm(tmp_path / "llm")), max_length=16, effective_batch=8,
+                         task="causal-lm")
+    family = Family(precision="fp32", checkpointing="full", kernels="fused")
+    cache: dict[Any, Estimate] = {}
+
+    def search(usable: int) -> Search:
+        return Search(config, resolve_profile("cpu"), usable_bytes=usable, seq_len=16, image_size=None,
+                      num_labels=2, cache=cache)
+
+    least = search(1).exact_candidate(family, 1)
+    assert least.exact and least.predicted_peak_bytes is not None
+    over = search(least.predicted_peak_bytes - 1)
+    over.exact(family, 1)
+    over.fit(family)
+    assert len(cache) == 1 and list(over.candidates) == [(family, 1)]
+    assert over.candidates[(family, 1)].fits is False
+    fitting = search(least.predicted_peak_bytes)
+    fitting.fit(family)
+    assert len(cache) == 3  # the two points of its line
+    assert {micro for _, micro in fitting.candidates} == set(micro_batch_sizes(8))

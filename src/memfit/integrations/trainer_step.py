@@ -50,9 +50,8 @@ from memfit.integrations import trainer_compat as compat
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
 from memfit.memory.estimate import CATEGORIES, StepPeak, label_gradients, label_optimizer_state
+from memfit.memory.fake_answers import FakeAnswers
 from memfit.memory.mask_values import known_masks
-from memfit.memory.moe import GroupedMatmulShapes
-from memfit.memory.norm_stats import NormStatsDtypes
 from memfit.memory.tracker import StorageTracker
 from memfit.quiet import raised_loggers
 
@@ -188,8 +187,8 @@ def trace_trainer_step(trainer: Any, profile: DeviceProfile, setup: StepSetup | 
         with raised_loggers("torch._subclasses.fake_tensor", level=logging.CRITICAL), fake_mode, \
                 _reparametrize_module(model, fakes, tie_weights=True), \
                 _on_trace_device(model, trainer, cuda=trainer.args.device.type == "cuda"), \
-                _checkpointing(model, setup), known_masks(all_ones=widest.unpadded), GroupedMatmulShapes(cuda=cuda), \
-                NormStatsDtypes(), _own_scaler(trainer) as scaler, tracker, \
+                _checkpointing(model, setup), known_masks(all_ones=widest.unpadded), FakeAnswers(cuda=cuda), \
+                _own_scaler(trainer) as scaler, tracker, \
                 emulation or contextlib.nullcontext(), _PlaceholderReads():
             workspace_bytes = cublas_workspace_bytes(model, emulation, allocator, recompute=_recomputes(model))
             _run(trainer, model, batch, num_items, tr_loss, tracker, fake_mode, scaler, cuda=cuda)

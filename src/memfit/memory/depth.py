@@ -5,7 +5,11 @@ model's blocks really repeat: every block of the full-depth model must have the 
 their settings, parameter shapes) of the block of the copy it is replayed from. The structure is read from
 the model built on the ``meta`` device (no memory, about a second for an 8B model; kept per config). Blocks
 checkpointed every N-th repeat with a period of N blocks; a different first block (DeepSeek's dense first
-layers) moves the repeating part up. With the top K blocks trained and the rest frozen, each of the two runs is
+layers) moves the repeating part up. The copy is as shallow as the record allows: the first block, the group
+copied and the group before it, one block after. Where a block's frees refer to its lower neighbour's storages
+and the first block allocates differently (QLoRA's first block), the group before must sit on an ordinary block:
+the copy then keeps a *spacer*, one period more (:func:`memfit.memory.shortened.needs_spacer` remembers which
+runs needed it). With the top K blocks trained and the rest frozen, each of the two runs is
 cut and copied on its own (two groups). Blocks that alternate in kind (Gemma-2's and gpt-oss's sliding and full
 attention) are traced in full.
 """
@@ -28,9 +32,9 @@ from memfit.models import ModelSpec, _layer_count, is_encoder_decoder, transform
 MAX_PERIOD = 8
 MAX_OFFSET = 4
 MAX_CACHED = 16
-MIN_LAYERS = 6
-"""The shallowest copy traced is 5 blocks deep (a first block, one before the groups, two groups, one after):
-a model must be deeper for a copy to save anything."""
+MIN_LAYERS = 5
+"""The shallowest copy traced is 4 blocks deep (a first block, two groups, one after): a model must be deeper
+for a copy to save anything."""
 SETTINGS = (int, float, str, bool, type(None), tuple)
 
 
@@ -51,13 +55,15 @@ class DepthCut:
         return owner
 
 
-def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1) -> DepthCut | str | None:
+def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1,
+              spacer: bool = False) -> DepthCut | str | None:
     """The shallow copy to trace for ``spec`` under ``config``, or why the model is traced at its full depth
     (``None``: it is too shallow for a copy to be shallower). ``tail``: the blocks kept above the copied group
-    (two under FSDP, whose last block's and its neighbour's gathers are freed at the end of the forward)."""
+    (two under FSDP, whose last block's and its neighbour's gathers are freed at the end of the forward);
+    ``spacer``: one period between the first block and the groups (see the module docstring)."""
     if is_encoder_decoder(spec):
         return "an encoder-decoder's two stacks of blocks are traced in full"
-    if spec.num_layers < MIN_LAYERS + tail - 1:
+    if spec.num_layers < MIN_LAYERS + tail - 1 + spacer:
         return None
     if _layer_count(spec.hf_config) is None:
         return "the model's blocks have no single depth to cut"
@@ -71,9 +77,10 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1)
         return "the model's blocks alternate in kind"
     every = config.checkpoint_every if config.checkpointing == "every-n" else 1
     if config.train_top_layers:
-        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every, tail=tail)
+        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every, tail=tail,
+                            spacer=spacer)
     else:
-        cut = _uniform(spec.num_layers, offset=structure[0], period=every, tail=tail)
+        cut = _uniform(spec.num_layers, offset=structure[0], period=every, tail=tail, spacer=spacer)
     if not isinstance(cut, DepthCut):
         return cut
     short = _signatures(with_depth(spec, cut.layers), task)
@@ -82,8 +89,8 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1)
     return cut
 
 
-def _uniform(num_layers: int, *, offset: int, period: int, tail: int = 1) -> DepthCut | None:
-    first = offset + period + 2  # a first block may differ (its input), then a whole period, then the groups
+def _uniform(num_layers: int, *, offset: int, period: int, tail: int = 1, spacer: bool = False) -> DepthCut | None:
+    first = offset + 2 + (period if spacer else 0)  # a first block may differ (its input), then the groups
     last = first + 2 * period - 1
     layers = last + tail + (num_layers - last - tail) % period
     copies = (num_layers - layers) // period
@@ -97,14 +104,15 @@ REGION = 5
 (the second is copied), one after."""
 
 
-def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int, tail: int = 1) -> DepthCut | str | None:
+def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int, tail: int = 1,
+                  spacer: bool = False) -> DepthCut | str | None:
     """``--train-top-layers``: the frozen blocks and the trained ones above them, each run cut to
     :data:`REGION` blocks (the top run ``tail - 1`` more) and its fourth copied to the run's length."""
     if offset or every > 1:
         return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
     frozen = num_layers - trained
     if frozen < 1:  # every block trains: the model's own depth cut, every block of the copy trained too
-        cut = _uniform(num_layers, offset=0, period=1, tail=tail)
+        cut = _uniform(num_layers, offset=0, period=1, tail=tail, spacer=spacer)
         return dataclasses.replace(cut, train_top_layers=cut.layers) if cut is not None else None
     top = REGION + tail - 1
     kept_frozen, kept_trained = min(frozen, REGION), min(trained, top)

@@ -60,11 +60,10 @@ from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
+from memfit.memory.fake_answers import FakeAnswers
 from memfit.memory.host_shards import HostShards, offload_problems, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
-from memfit.memory.moe import GroupedMatmulShapes
 from memfit.memory.monitor import timeline_record
-from memfit.memory.norm_stats import NormStatsDtypes
 from memfit.memory.repeats import (
     BLOCK,
     MICRO,
@@ -74,7 +73,7 @@ from memfit.memory.repeats import (
     replay,
     scaled,
 )
-from memfit.memory.shortened import Shortened, shortened_trace
+from memfit.memory.shortened import Shortened, needs_spacer, shortened_trace
 from memfit.memory.synthetic import TRACE_PAD, encoder_decoder_batch, shape_problems, synthetic_batch
 from memfit.memory.trace_inputs import TraceInputs
 from memfit.memory.tracker import StorageTracker
@@ -317,14 +316,24 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
     """The shortened trace replayed where the step repeats, else the full trace (saying why); ``timeline``: a
     list that receives (live bytes, phase) after every allocation and free of the (replayed) steps."""
     shortened = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy)
-    if isinstance(shortened, Shortened):
+    retried = False
+    while isinstance(shortened, Shortened):
         try:
-            return _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels,
-                             timeline=timeline)
+            replayed = _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels,
+                                 timeline=timeline)
         except NotRepeating as reason:
-            shortened = f"full trace: {reason}"
             if timeline is not None:
                 timeline.clear()
+            spaced = shortened_trace(config, trace, strategy, spacer=True) \
+                if reason.blocks and not shortened.spacer else None
+            if isinstance(spaced, Shortened) and spaced.depth not in (None, shortened.depth):  # deeper, once
+                shortened, retried = spaced, True
+            else:
+                shortened = f"full trace: {reason}"
+            continue
+        if retried:
+            needs_spacer(config, trace)
+        return replayed
     run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels,
                        timeline=timeline)
     run.how = shortened
@@ -384,8 +393,7 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
         contextlib.nullcontext()
     with world as mesh, fake_mode or contextlib.nullcontext(), (
             contextlib.nullcontext() if execute else no_init_weights()), (
-            contextlib.nullcontext() if execute else GroupedMatmulShapes(cuda=profile.kind == "cuda")), (
-            contextlib.nullcontext() if execute else NormStatsDtypes()):
+            contextlib.nullcontext() if execute else FakeAnswers(cuda=profile.kind == "cuda")):
         build = functools.partial(build_with_techniques, trace.spec, config,
                                   label_names=[str(i) for i in range(num_labels)], pad_token_id=TRACE_PAD,
                                   task=trace.task, low_dtype=precision.low_dtype,

@@ -10,9 +10,9 @@ same bytes as a balanced one (tests/unit/test_moe.py runs both for real and chec
 
 What the fake mode lacks: torch's shape function for ``aten._grouped_mm`` repeats the CUDA kernel's checks and
 accepts bf16 only, while the real step also runs it in fp32 and fp16 (the CPU kernel; transformers' own loop
-on cards it does not cover). :class:`GroupedMatmulShapes` answers the op with the output the kernel makes, for
-every dtype, inside memfit's trace only: it is a dispatch mode entered with the trace, not a change to torch's
-or transformers' registrations.
+on cards it does not cover). :func:`grouped_mm_answer` answers the op with the output the kernel makes, for
+every dtype, inside memfit's trace only: :class:`memfit.memory.norm_stats.FakeAnswers`, a dispatch mode entered
+with the trace, calls it; nothing changes torch's or transformers' registrations.
 
 Assumption, stated: on a CUDA card below compute capability 8.0 (the 1080 Ti), transformers replaces the
 grouped matmul with its own per-expert loop (``transformers::grouped_mm_fallback``); its outputs and its
@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _GROUPED_MM_PACKET = getattr(torch.ops.aten, "_grouped_mm", None)
 GROUPED_MM = _GROUPED_MM_PACKET.default if _GROUPED_MM_PACKET is not None else None
@@ -65,25 +64,19 @@ def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
     return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
 
 
-class GroupedMatmulShapes(TorchDispatchMode):
-    """Answers ``aten._grouped_mm`` on fake tensors with the output its kernel makes, for every dtype (torch's
-    own shape function accepts bf16 only); any other op, and the op on real tensors, pass through. ``cuda``:
-    the trace is of a CUDA card's step (padded output rows)."""
+def is_fake_grouped_mm(func: Any, args: Any) -> bool:
+    return GROUPED_MM is not None and func is GROUPED_MM and isinstance(args[0], FakeTensor)
 
-    def __init__(self, *, cuda: bool = False) -> None:
-        super().__init__()
-        self.cuda = cuda
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if GROUPED_MM is not None and func is GROUPED_MM and isinstance(args[0], FakeTensor):
-            mat_a, mat_b = args[0], args[1]
-            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-            bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
-            assert bias is None, "transformers adds the experts' bias after the grouped matmul"
-            out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
-            return grouped_mm_output(mat_a, mat_b, offs, out_dtype, cuda=self.cuda)
-        return func(*args, **kwargs)
+def grouped_mm_answer(args: Any, kwargs: dict[str, Any], *, cuda: bool) -> torch.Tensor:
+    """The output of ``aten._grouped_mm`` on fake ``args``; ``cuda``: the trace is of a CUDA card's step (padded
+    output rows)."""
+    mat_a, mat_b = args[0], args[1]
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
+    assert bias is None, "transformers adds the experts' bias after the grouped matmul"
+    out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
+    return grouped_mm_output(mat_a, mat_b, offs, out_dtype, cuda=cuda)
 
 
 @contextlib.contextmanager

@@ -61,7 +61,12 @@ COMBINING_OPS = ("aten::stack", "aten::cat")
 
 
 class NotRepeating(Exception):
-    """The record does not repeat the way it would have to: the step is traced in full (the message says why)."""
+    """The record does not repeat the way it would have to: the step is traced in full (the message says why).
+    ``blocks``: a group of blocks does not repeat the one before it (a deeper copy may)."""
+
+    def __init__(self, message: str, *, blocks: bool = False) -> None:
+        super().__init__(message)
+        self.blocks = blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +393,7 @@ class _Expansion:
         self.events, self.axis, self.repeat = events, axis, repeat
         self.other = MICRO if axis == BLOCK else BLOCK
         self.tag = "block" if axis == BLOCK else "micro"
+        self.of_blocks = axis == BLOCK
         self.owner: dict[Hashable, int | None] = {}
         self.place: dict[Hashable, tuple[Hashable, ...]] = {}
         counts: Counter[tuple[Hashable, ...]] = Counter()
@@ -420,14 +426,15 @@ class _Expansion:
             shifted = [(self.runs[i][0] or 0) - repeat.period for i in copied]
             if shifted != [self.runs[i][0] for i in earlier]:
                 raise NotRepeating(f"{self.tag} {self.runs[copied[0]][0]}'s events do not follow the "
-                                   f"{self.tag}s before it")
+                                   f"{self.tag}s before it", blocks=self.of_blocks)
             self._congruent(copied, earlier)
             paired.update(copied)
             ascending = copied[0] > earlier[0]
             (after if ascending else before)[copied[-1] if ascending else copied[0]] = copied
         unpaired = [run[0] for index, run in enumerate(self.runs) if repeat.copied(run[0]) and index not in paired]
         if unpaired:
-            raise NotRepeating(f"{self.tag} {unpaired[0]} has events outside the repeating pattern")
+            raise NotRepeating(f"{self.tag} {unpaired[0]} has events outside the repeating pattern",
+                               blocks=self.of_blocks)
         out: list[Event] = []
         for index, (owner, start, end) in enumerate(self.runs):
             if index in before:
@@ -499,10 +506,11 @@ class _Expansion:
             other_owner, other_start, other_end = self.runs[other]
             if end - start != other_end - other_start:
                 raise NotRepeating(f"{self.tag} {owner} does not repeat {self.tag} {other_owner} "
-                                   f"({end - start} events against {other_end - other_start})")
+                                   f"({end - start} events against {other_end - other_start})", blocks=self.of_blocks)
             for event, earlier in zip(self.events[start:end], self.events[other_start:other_end], strict=True):
                 if self._shape(event, owner) != self._shape(earlier, other_owner):
-                    raise NotRepeating(f"{self.tag} {owner} does not repeat {self.tag} {other_owner}")
+                    raise NotRepeating(f"{self.tag} {owner} does not repeat {self.tag} {other_owner}",
+                                       blocks=self.of_blocks)
 
     def _shape(self, event: Event, owner: int | None) -> tuple[Hashable, ...]:
         storage = event[1]

@@ -6,6 +6,7 @@ and the first three micro-steps and the last of each window, replayed at full le
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from memfit.config import TrainConfig
@@ -25,13 +26,19 @@ class Shortened:
     depth: DepthCut | None
     windows: list[Repeat]
     how: str
+    spacer: bool = False
+    """The copy keeps a spacer below its groups (:mod:`memfit.memory.depth`)."""
 
 
-def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str) -> Shortened | str:
-    """The shortened trace that stands for ``trace``, or why the full one runs."""
+def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str, *,
+                    spacer: bool | None = None) -> Shortened | str:
+    """The shortened trace that stands for ``trace``, or why the full one runs. ``spacer``
+    (:func:`memfit.memory.depth.depth_cut`): by default, where a run like this one needed it before."""
     if strategy == "ddp":
         return "full trace: DDP's gradient buckets group parameters across blocks"
-    depth = depth_cut(trace.spec, config, trace.task, tail=2 if strategy == "fsdp" else 1)
+    if spacer is None:
+        spacer = spaced_first(config, trace)
+    depth = depth_cut(trace.spec, config, trace.task, tail=2 if strategy == "fsdp" else 1, spacer=spacer)
     windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
                       limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]
     if not isinstance(depth, DepthCut) and not windows:
@@ -51,4 +58,34 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str) -> S
         how += f" (all blocks: {depth})"
     short = dataclasses.replace(trace, spec=spec, windows=short_windows, window_items=list(trace.window_items))
     return Shortened(trace=short, config=config, depth=depth if isinstance(depth, DepthCut) else None,
-                      windows=windows, how=how)
+                      windows=windows, how=how, spacer=spacer)
+
+
+_SPACED: set[tuple[str, ...]] = set()
+"""The runs whose copy without a spacer did not repeat: a plan traces the same model and technique many times."""
+
+
+def spaced_first(config: TrainConfig, trace: TraceInputs) -> bool:
+    """Whether a copy for this run starts with a spacer: QLoRA's (its first block allocates more than the rest,
+    its input's casts), or a run like one that needed it before."""
+    return config.quantize_base != "none" or _spacer_key(config, trace) in _SPACED
+
+
+def needs_spacer(config: TrainConfig, trace: TraceInputs) -> None:
+    """Remember that a run like this one (the model, task and technique) needs a spacer in its copy."""
+    if len(_SPACED) > 64:
+        _SPACED.clear()
+    _SPACED.add(_spacer_key(config, trace))
+
+
+def forget_spacers() -> None:
+    """Forget which runs needed a spacer, as a fresh process starts."""
+    _SPACED.clear()
+
+
+def _spacer_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
+    """What decides how a copy's first block allocates and frees: the model, the task, adapters, the optimizer
+    step's kernels (a wrong guess costs time, never bytes: a copy that does not repeat is refused and traced
+    otherwise)."""
+    return (json.dumps(trace.spec.hf_config.to_dict(), sort_keys=True, default=str), trace.task,
+            str(config.lora_rank > 0), config.optimizer, str(config.fused), str(config.foreach))

@@ -62,7 +62,10 @@ best fitting setup at any micro-batch is not traced. The chosen setup and the ru
 exact traces, as is any faster setup whose line comes within ``BAND`` of the budget. Where every parameter's fp32
 weight, gradient and optimizer state alone exceed the budget (an 8B model on an 11 GiB card), the least that full
 fine-tuning needs (full checkpointing, micro-batch 1, each precision, with and without the loss in chunks) is
-traced first, and when it does not fit no family is searched: every other setup keeps at least as much.
+traced first, and when it does not fit no family is searched: every other setup keeps at least as much. Where a
+LoRA base's weights alone (2 bytes a parameter at least) exceed the budget of one GPU, LoRA's least need is not
+traced. A family whose least need was traced already (a stage's) and does not fit gets no line: a larger
+micro-batch keeps more.
 
 What only a GPU can confirm: EFFICIENCY and τ are typical eager-mode figures, not measured per card; the
 ranking depends on their ratio, the memory side does not. QLoRA's dequantisation is priced as memory traffic

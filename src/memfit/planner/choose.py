@@ -88,7 +88,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                   if allowed or suggest}
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
                            optimizers=("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",),
-                           task=inputs.task)
+                           task=inputs.task, spec=spec)
     ranked = rank_candidates(search, chosen, allowed=lambda f: allow.permits(f.opt_ins))
     verdict = verdict_line(chosen, smallest, [item.line for item in advice], usable, budget_bytes, margin)
     length = seq_len or base.max_length
@@ -275,7 +275,8 @@ def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> in
 
 
 def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
-              rank: int, advice: list[Advice], optimizers: tuple[str, ...], task: str) -> Candidate | None:
+              rank: int, advice: list[Advice], optimizers: tuple[str, ...], task: str,
+              spec: ModelSpec) -> Candidate | None:
     """When no full fine-tuning fits: LoRA, then QLoRA (``stages``: which the user allows). Each says what it
     needs at least (micro-batch 1, full checkpointing, the leanest precision); the first allowed one that fits
     is searched like the neutral families and its fastest setup chosen."""
@@ -291,6 +292,13 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
                    lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for s in strategies(search.base, profile) for o in optimizers if runs_sharded(o) or not s.startswith("fsdp")
             for p in precisions for c in CHECKPOINTING], search.base, task)
+        floor = _base_floor(search, spec, technique, task)
+        if floor is not None:
+            outside = search.profile.non_pytorch_bytes
+            advice.append(Advice(f"{flag} (r={rank}) would not fit either: its base weights alone need at least "
+                                 f"{format_bytes(floor - outside)}"
+                                 + (f" (with the {format_bytes(outside)} outside PyTorch)" if outside else "")))
+            continue
         try:
             need = _least_need(search, [_leanest_step(family, optimizers, profile) for family in families])
         except ConfigError as error:  # an architecture the technique does not reach: advice, not the plan's end
@@ -322,6 +330,25 @@ def _least_need(search: Search, families: list[Family]) -> Candidate:
     reported as not fitting; fp32 keeps no 16-bit copies of the weights, which autocast does."""
     leanest = dict.fromkeys(family for family in families if family.checkpointing == "full")
     return min(search.exact_candidates(leanest), key=lambda candidate: candidate.predicted_peak_bytes or 0)
+
+
+LORA_BASE_BYTES = 2
+"""The least a LoRA base keeps per parameter: 16-bit Linear and embedding weights under mixed precision (fp32
+keeps them in fp32, norms stay fp32 in either)."""
+
+
+def _base_floor(search: Search, spec: ModelSpec, technique: str, task: str) -> int | None:
+    """The bytes a LoRA base's weights and the card's memory outside PyTorch need at least, when they alone
+    exceed the usable budget on one GPU (no trace can show such a setup fitting); else ``None``, and the least
+    need is traced. QLoRA's 4-bit base has no floor worth checking."""
+    if technique != "lora" or search.base.world_size > 1:
+        return None
+    try:
+        parameters = parameter_count(spec, task)
+    except Exception:  # an architecture that cannot be built on the meta device: traced as usual
+        return None
+    floor = parameters * LORA_BASE_BYTES + search.profile.non_pytorch_bytes
+    return floor if floor > search.usable else None
 
 
 STATE_BYTES = {"adamw": 8, "adamw8bit": 2}

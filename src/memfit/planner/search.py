@@ -97,6 +97,14 @@ class Search:
             self.traces[key] = self.cache[shared]
         return self.traces[key]
 
+    def traced(self, family: Family, micro: int, *, accumulate: bool) -> Estimate | None:
+        """The exact trace of ``family`` at ``micro`` if it was traced already (by this search or one sharing its
+        cache), else ``None``: nothing is traced."""
+        key, shared, _ = self._request(family, micro, accumulate=accumulate, lean=False)
+        if key not in self.traces and shared in self.cache:
+            self.traces[key] = self.cache[shared]
+        return self.traces.get(key)
+
     def prefetch(self, requests: Iterable[tuple[Family, int, bool, bool]]) -> None:
         """Trace ``requests`` (family, micro-batch, accumulate, lean) not traced yet side by side
         (:mod:`memfit.planner.workers`), ahead of the search asking for them one by one; a trace that fails
@@ -154,13 +162,19 @@ class Search:
 
     def fit(self, family: Family) -> None:
         """Trace ``family`` at its two largest micro-batches with accumulation and predict every split (a
-        step in backward: its one split, the whole window in one micro-batch)."""
+        step in backward: its one split, the whole window in one micro-batch). Where its least need
+        (micro-batch 1) was traced already and does not fit, nothing more is traced: no split fits."""
         if family.optimizer_in_backward:
             self.lines[family] = _Line(self.exact(family, self.effective), None)
             self.costs[family] = self.step_cost(family, self.lines[family].low)
             self.predict(family, self.effective)
             return
         accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
+        least = self.traced(family, 1, accumulate=bool(accumulated)) if self.least_decides(family) else None
+        if least is not None:  # its least need, traced already (a stage's): when it does not fit, none does
+            self.lines[family], self.costs[family] = _Line(least, None), self.step_cost(family, least)
+            if not self.predict(family, 1).fits:  # a larger micro-batch keeps more
+                return
         if accumulated:
             self.prefetch(self.line_request(family, micro) for micro in accumulated[:2])
             traces = [self.line_point(family, micro) for micro in accumulated[:2]]
@@ -287,7 +301,7 @@ class Search:
         without accumulation is judged from that accumulated trace, as a family's line judges it. Not with
         the activations offloaded, where checkpointing keeps a whole block on the card and no checkpointing
         one node's; nor under FSDP, whose accumulation keeps unsharded gradients that one window does not.)"""
-        if family.offload_activations or family.strategy.startswith("fsdp"):
+        if not self.least_decides(family):
             return None
         for checkpointing in CHECKPOINTING[CHECKPOINTING.index(family.checkpointing) + 1:]:
             leaner = dataclasses.replace(family, checkpointing=checkpointing)
@@ -295,6 +309,11 @@ class Search:
             if candidate is not None and candidate.exact and candidate.fits is False:
                 return candidate
         return None
+
+    @staticmethod
+    def least_decides(family: Family) -> bool:
+        """Whether a least need over the budget shows that no setup of ``family`` fits (see :meth:`ruling_out`)."""
+        return not (family.offload_activations or family.strategy.startswith("fsdp"))
 
     def _to_confirm(self, ranked: list[Candidate]) -> list[Candidate]:
         """The setups :meth:`confirm` traces if every one confirmed fits as predicted."""

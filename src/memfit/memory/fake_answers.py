@@ -1,0 +1,28 @@
+"""The ops memfit answers itself on fake tensors, where torch's shape functions differ from the real kernels:
+one dispatch mode entered with the trace (each mode in the stack costs every op of a trace some microseconds,
+so the answers share one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.memory.moe import grouped_mm_answer, is_fake_grouped_mm
+from memfit.memory.norm_stats import norm_stats_answer
+
+
+class FakeAnswers(TorchDispatchMode):
+    """Mixed-type normalisations' statistics (:mod:`memfit.memory.norm_stats`) and the grouped matmul of a
+    mixture of experts (:mod:`memfit.memory.moe`), answered on fake tensors; every other op passes through.
+    ``cuda``: the trace is of a CUDA card's step."""
+
+    def __init__(self, *, cuda: bool = False) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if is_fake_grouped_mm(func, args):
+            return grouped_mm_answer(args, kwargs, cuda=self.cuda)
+        return norm_stats_answer(func, args, func(*args, **kwargs))
