@@ -73,7 +73,7 @@ from memfit.memory.repeats import (
     replay,
     scaled,
 )
-from memfit.memory.shortened import Shortened, needs_spacer, shortened_trace
+from memfit.memory.shortened import Shortened, after_refusal, needs_spacer, shortened_trace
 from memfit.memory.synthetic import TRACE_PAD, encoder_decoder_batch, shape_problems, synthetic_batch
 from memfit.memory.trace_inputs import TraceInputs
 from memfit.memory.tracker import StorageTracker
@@ -315,8 +315,7 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
          num_labels: int, exact_trace: bool, timeline: list[tuple[int, str | None]] | None) -> _TracedRun:
     """The shortened trace replayed where the step repeats, else the full trace (saying why); ``timeline``: a
     list that receives (live bytes, phase) after every allocation and free of the (replayed) steps."""
-    shortened = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy)
-    retried = False
+    shortened, retried = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy), False
     while isinstance(shortened, Shortened):
         try:
             replayed = _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels,
@@ -324,12 +323,7 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
         except NotRepeating as reason:
             if timeline is not None:
                 timeline.clear()
-            spaced = shortened_trace(config, trace, strategy, spacer=True) \
-                if reason.blocks and not shortened.spacer else None
-            if isinstance(spaced, Shortened) and spaced.depth not in (None, shortened.depth):  # deeper, once
-                shortened, retried = spaced, True
-            else:
-                shortened = f"full trace: {reason}"
+            shortened, retried = after_refusal(config, trace, strategy, shortened, reason), True
             continue
         if retried:
             needs_spacer(config, trace)

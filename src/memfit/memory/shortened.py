@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from memfit.config import TrainConfig
 from memfit.memory.depth import DepthCut, depth_cut
-from memfit.memory.repeats import WINDOW_STRIDE, Repeat
+from memfit.memory.repeats import WINDOW_STRIDE, NotRepeating, Repeat
 from memfit.memory.trace_inputs import TraceInputs
 from memfit.models import with_depth
 
@@ -59,6 +59,16 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str, *,
     short = dataclasses.replace(trace, spec=spec, windows=short_windows, window_items=list(trace.window_items))
     return Shortened(trace=short, config=config, depth=depth if isinstance(depth, DepthCut) else None,
                       windows=windows, how=how, spacer=spacer)
+
+
+def after_refusal(config: TrainConfig, trace: TraceInputs, strategy: str, refused: Shortened,
+                  reason: NotRepeating) -> Shortened | str:
+    """What runs after ``refused`` did not repeat: a deeper copy, with a spacer, once (where its groups of blocks
+    did not repeat and a spacer makes the copy deeper); else the full trace, saying why."""
+    spaced = shortened_trace(config, trace, strategy, spacer=True) if reason.blocks and not refused.spacer else None
+    if isinstance(spaced, Shortened) and spaced.depth not in (None, refused.depth):
+        return spaced
+    return f"full trace: {reason}"
 
 
 _SPACED: set[tuple[str, ...]] = set()
