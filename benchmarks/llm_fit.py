@@ -39,6 +39,8 @@ LOW_MEMORY = Allowed(optimizer_in_backward=True, bf16_true=True, eight_bit_optim
 """The fourth column: full fine-tuning with every memory technique allowed (the step in backward, 16-bit weights
 with Kahan summation, 8-bit and paged states, the optimizer or activations on the host)."""
 WINDOW = re.compile(r"would fit at an effective batch of at most (\d+)")
+WEIGHTS = re.compile(r"its weights alone need ([0-9.]+ [KMGT]?i?B)")
+"""Opt-ins not traced because the weights alone exceed the card: the cell says so (its least is that bound)."""
 EFFECTIVE_BATCH = 16
 
 
@@ -79,6 +81,9 @@ def cell(row: dict[str, Any] | None) -> str:
         return (f"{format_bytes(row['peak_bytes'])} ({chosen['micro_batch_size']}x{chosen['accumulation_steps']}, "
                 f"{chosen['precision']}, ckpt {chosen['checkpointing']}{chunks}"
                 f"{''.join(', ' + extra for extra in extras)})")
+    weights = WEIGHTS.search(row["verdict"]) if row["technique"] == "full-lowmem" else None
+    if weights and "it needs at least" not in row["verdict"] and not row.get("fits_at_effective_batch"):
+        return f"does not fit (its weights alone need {weights.group(1)})"  # no opt-in traced: each keeps them
     if row.get("fits_at_effective_batch"):
         return (f"fits at effective batch ≤ {row['fits_at_effective_batch']} (step in backward); at 16 needs "
                 f"{format_bytes(row['peak_bytes'])}")
