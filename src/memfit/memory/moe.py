@@ -11,7 +11,7 @@ same bytes as a balanced one (tests/unit/test_moe.py runs both for real and chec
 What the fake mode lacks: torch's shape function for ``aten._grouped_mm`` repeats the CUDA kernel's checks and
 accepts bf16 only, while the real step also runs it in fp32 and fp16 (the CPU kernel; transformers' own loop
 on cards it does not cover). :func:`grouped_mm_answer` answers the op with the output the kernel makes, for
-every dtype, inside memfit's trace only: :class:`memfit.memory.norm_stats.FakeAnswers`, a dispatch mode entered
+every dtype, inside memfit's trace only: :class:`memfit.memory.fake_answers.FakeAnswers`, a dispatch mode entered
 with the trace, calls it; nothing changes torch's or transformers' registrations.
 
 Assumption, stated: on a CUDA card below compute capability 8.0 (the 1080 Ti), transformers replaces the
@@ -65,6 +65,7 @@ def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
 
 
 def is_fake_grouped_mm(func: Any, args: Any) -> bool:
+    """Whether ``func`` is ``aten._grouped_mm`` on fake tensors, the op :func:`grouped_mm_answer` answers."""
     return GROUPED_MM is not None and func is GROUPED_MM and isinstance(args[0], FakeTensor)
 
 

@@ -69,3 +69,13 @@ class Advice:
     line: str
     fits: tuple[str, ...] | None = None
     """The opt-in flags under which it would fit (``None``: it would not, or cannot be planned)."""
+
+
+def over_by_weights(flag: str, what: str, weights_bytes: int, outside_bytes: int) -> Advice:
+    """The advice for an opt-in whose weights alone (``what``: which, e.g. "its weights alone need"), with the
+    card's memory outside PyTorch, exceed the budget: no trace can show it fitting, none is made."""
+    from memfit.report import format_bytes
+
+    outside = f" (with the {format_bytes(outside_bytes)} outside PyTorch)" if outside_bytes else ""
+    return Advice(f"{flag} would not fit either: {what} {format_bytes(weights_bytes)}{outside}")
+

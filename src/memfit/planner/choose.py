@@ -21,7 +21,7 @@ from memfit.errors import ConfigError, NothingFits, Problems
 from memfit.memory.depth import parameter_count
 from memfit.memory.estimate import Estimate, prepare_trace
 from memfit.models import ModelSpec
-from memfit.planner.allowed import NOTHING, Advice, Allowed
+from memfit.planner.allowed import NOTHING, Advice, Allowed, over_by_weights
 from memfit.planner.families import (
     CHECKPOINTING,
     Candidate,
@@ -292,12 +292,10 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
                    lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for s in strategies(search.base, profile) for o in optimizers if runs_sharded(o) or not s.startswith("fsdp")
             for p in precisions for c in CHECKPOINTING], search.base, task)
-        floor = _base_floor(search, spec, technique, task)
-        if floor is not None:
-            outside = search.profile.non_pytorch_bytes
-            advice.append(Advice(f"{flag} (r={rank}) would not fit either: its base weights alone need at least "
-                                 f"{format_bytes(floor - outside)}"
-                                 + (f" (with the {format_bytes(outside)} outside PyTorch)" if outside else "")))
+        base_bytes = _base_floor(search, spec, technique, task)
+        if base_bytes is not None:
+            advice.append(over_by_weights(f"{flag} (r={rank})", "its base weights alone need at least", base_bytes,
+                                          profile.non_pytorch_bytes))
             continue
         try:
             need = _least_need(search, [_leanest_step(family, optimizers, profile) for family in families])
@@ -338,17 +336,23 @@ keeps them in fp32, norms stay fp32 in either)."""
 
 
 def _base_floor(search: Search, spec: ModelSpec, technique: str, task: str) -> int | None:
-    """The bytes a LoRA base's weights and the card's memory outside PyTorch need at least, when they alone
+    """The bytes a LoRA base's weights need at least, when they and the card's memory outside PyTorch alone
     exceed the usable budget on one GPU (no trace can show such a setup fitting); else ``None``, and the least
     need is traced. QLoRA's 4-bit base has no floor worth checking."""
-    if technique != "lora" or search.base.world_size > 1:
+    parameters = _parameters(spec, task) if technique == "lora" and search.base.world_size == 1 else None
+    if parameters is None:
         return None
+    floor = parameters * LORA_BASE_BYTES
+    return floor if floor + search.profile.non_pytorch_bytes > search.usable else None
+
+
+def _parameters(spec: ModelSpec, task: str) -> int | None:
+    """The model's parameters, or ``None`` for an architecture that cannot be built on the meta device (its
+    setups are traced as usual)."""
     try:
-        parameters = parameter_count(spec, task)
-    except Exception:  # an architecture that cannot be built on the meta device: traced as usual
+        return parameter_count(spec, task)
+    except Exception:
         return None
-    floor = parameters * LORA_BASE_BYTES + search.profile.non_pytorch_bytes
-    return floor if floor > search.usable else None
 
 
 STATE_BYTES = {"adamw": 8, "adamw8bit": 2}
@@ -361,9 +365,8 @@ def _states_exceed(search: Search, base: TrainConfig, spec: ModelSpec, task: str
     if base.world_size > 1 or base.lora_rank or base.freeze_embeddings or base.train_top_layers \
             or base.offload_optimizer:
         return False
-    try:
-        parameters = parameter_count(spec, task)
-    except Exception:  # an architecture that cannot be built on the meta device: searched as usual
+    parameters = _parameters(spec, task)
+    if parameters is None:
         return False
     needs = parameters * (8 + STATE_BYTES.get(base.optimizer, 0)) + search.profile.non_pytorch_bytes
     return needs > search.usable

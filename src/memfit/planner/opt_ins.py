@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from memfit.config import TrainConfig, runs_sharded
 from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
-from memfit.planner.allowed import Advice, Allowed
+from memfit.planner.allowed import Advice, Allowed, over_by_weights
 from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, with_chunked_loss
 from memfit.planner.search import Search
 from memfit.report import format_bytes
@@ -184,9 +184,7 @@ class _Weights:
         if self.weights_bytes + self.outside_bytes <= self.usable_bytes or \
                 any(_stored(f) != _stored(self.family) for f in families):
             return None
-        outside = f" (with the {format_bytes(self.outside_bytes)} outside PyTorch)" if self.outside_bytes else ""
-        return Advice(f"{flag} would not fit either: its weights alone need {format_bytes(self.weights_bytes)}"
-                      + outside)
+        return over_by_weights(flag, "its weights alone need", self.weights_bytes, self.outside_bytes)
 
 
 def _stored(family: Family) -> tuple[object, ...]:
