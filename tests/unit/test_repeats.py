@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from memfit import TrainConfig
-from memfit.memory import shortened
-from memfit.memory.estimate import Estimate, estimate
+from memfit.memory import ddp_buckets, shortened
+from memfit.memory.estimate import Estimate, estimate, prepare_trace
 from memfit.memory.repeats import BLOCK, NotRepeating, Repeat, expand
 from tests.conftest import TINY_BERT, TINY_LLAMA, TINY_MOE, TINY_VIT, write_model_dir
 
@@ -123,11 +123,40 @@ def test_the_shortened_trace_equals_the_full_trace(models: dict[str, Path], name
     assert_equal(full, fast)
 
 
-def test_a_ddp_rank_is_traced_in_full_and_says_why(models: dict[str, Path]) -> None:
-    config = TrainConfig(model=str(models["llama"]), max_length=16, task="causal-lm", world_size=2,
-                         distributed="ddp")
-    assert estimate(config, seq_len=16).trace == \
-        "full trace: DDP's gradient buckets group parameters across blocks"
+DDP = {"task": "causal-lm", "world_size": 2, "distributed": "ddp"}
+
+
+@pytest.mark.parametrize(("name", "device", "options", "how"), [
+    ("llama", "cpu", {"effective_batch": 24, "micro_batch_size": 2},  # a loop's step, gradients under no_sync
+     "4 of 6 blocks and 8 of 12 micro-steps"),
+    ("llama", "4090", {"precision": "bf16", "checkpointing": "full"}, "4 of 6 blocks"),
+    ("llama12", "1080ti", {"precision": "fp16", "checkpointing": "every-n", "effective_batch": 4,
+                           "micro_batch_size": 1}, "6 of 12 blocks"),
+])
+def test_a_ddp_rank_whose_buckets_stay_within_blocks_is_shortened(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, name: str, device: str,
+        options: dict[str, Any], how: str) -> None:
+    """Buckets the size of the tiny blocks' parameters (an 8B model's blocks fill DDP's 25 MiB buckets block by
+    block): each bucket serves one block and is copied with it; the replay equals the full trace."""
+    monkeypatch.setattr(ddp_buckets, "DDP_FIRST_BUCKET_BYTES", 1024)
+    monkeypatch.setattr(ddp_buckets, "DDP_BUCKET_BYTES", 4096)
+    full, fast = both(models[name], device, **DDP, **options)
+    assert how in fast.trace
+    assert_equal(full, fast)
+
+
+def test_a_ddp_rank_whose_buckets_span_blocks_is_traced_in_full_says_why_and_is_remembered(
+        models: dict[str, Path]) -> None:
+    """DDP's 25 MiB buckets hold several of the tiny blocks: no copy repeats. The refused copy is remembered:
+    the next run of that model goes straight to the full trace."""
+    full, fast = both(models["llama"], "cpu", **DDP)
+    assert fast.trace == "full trace: DDP's gradient buckets group parameters of several blocks"
+    assert_equal(full, fast)
+    config = TrainConfig(model=str(models["llama"]), max_length=16, **DDP)
+    trace = prepare_trace(config, device="cpu", seq_len=16, steps=2)
+    assert shortened.shortened_trace(config, trace, "ddp") == fast.trace
+    shortened.forget_spacers()
+    assert isinstance(shortened.shortened_trace(config, trace, "ddp"), shortened.Shortened)
 
 
 def test_a_group_that_does_not_repeat_the_one_before_is_refused() -> None:

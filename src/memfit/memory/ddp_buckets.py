@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
+from memfit.memory.tracker import StorageTracker
 from memfit.step import PhaseTracker
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -25,9 +26,11 @@ class DdpBuckets:
     alive to the end: flat buffers filled in reverse parameter order, the first up to 1 MiB, the others up to
     25 MiB (DDP's defaults). Micro-steps under ``no_sync()`` accumulate into ordinary ``.grad`` tensors; in the
     synchronised backward each gradient is copied into its bucket and ``.grad`` becomes the bucket's view, as
-    DDP's reducer does. (DDP itself cannot be built on fake tensors.)"""
+    DDP's reducer does. (DDP itself cannot be built on fake tensors.) ``tracker``: told which parameters each
+    bucket serves (a shortened trace copies a block's buckets with the block)."""
 
-    def __init__(self, trained: list[tuple[str, torch.nn.Parameter]], phases: PhaseTracker) -> None:
+    def __init__(self, trained: list[tuple[str, torch.nn.Parameter]], phases: PhaseTracker,
+                 tracker: StorageTracker | None = None) -> None:
         self.synchronising = True
         groups: list[list[torch.nn.Parameter]] = []
         cap, filled = DDP_FIRST_BUCKET_BYTES, 0
@@ -40,14 +43,18 @@ class DdpBuckets:
             filled += parameter.numel() * parameter.element_size()
         self.buckets = []
         for group in groups:
-            bucket = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype)
-            phases.track(bucket, category="gradients")
-            offset = 0
-            for parameter in group:
-                view = bucket.narrow(0, offset, parameter.numel()).view(parameter.shape)
-                parameter.register_post_accumulate_grad_hook(functools.partial(self._into_bucket, view=view))
-                offset += parameter.numel()
-            self.buckets.append(bucket)
+            with tracker.made_for(group) if tracker is not None else contextlib.nullcontext():
+                self.buckets.append(self._bucket(group, phases))
+
+    def _bucket(self, group: list[torch.nn.Parameter], phases: PhaseTracker) -> torch.Tensor:
+        bucket = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype)
+        phases.track(bucket, category="gradients")
+        offset = 0
+        for parameter in group:
+            view = bucket.narrow(0, offset, parameter.numel()).view(parameter.shape)
+            parameter.register_post_accumulate_grad_hook(functools.partial(self._into_bucket, view=view))
+            offset += parameter.numel()
+        return bucket
 
     @contextlib.contextmanager
     def sync(self, enabled: bool) -> Iterator[None]:

@@ -346,7 +346,7 @@ def _replayed(config: TrainConfig, shortened: Shortened, strategy: str, *, count
     finally:  # its storages' finalizers hold the recorder: it must not hold the model's blocks in turn
         recorder.blocks = []
     if recorder.unexpandable is not None:
-        raise NotRepeating(recorder.unexpandable)
+        raise NotRepeating(recorder.unexpandable, buckets=recorder.spanning)
     events = recorder.events
     for window in shortened.windows:
         events = expand(events, MICRO, window)
@@ -480,7 +480,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None
     if world_size > 1:
         sync = functools.partial(distributed.gradient_sync, model)
-    buckets = DdpBuckets(trained, phases) if persistent_grads else None
+    buckets = DdpBuckets(trained, phases, tracker) if persistent_grads else None
     if buckets is not None:
         sync = buckets.sync
     if tracker is not None:

@@ -32,11 +32,12 @@ windows of 16 micro-steps on a CUDA target), against tens of microseconds per op
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,17 +57,19 @@ BLOCK, MICRO = 4, 5
 """The positions of the two owners in an :class:`Event`."""
 WINDOW_STRIDE = 1000
 """A micro-step's owner is ``window * WINDOW_STRIDE + index``: micro-steps of different windows never neighbour."""
+SPANNING_BUCKETS = "DDP's gradient buckets group parameters of several blocks"
 COMBINING_OPS = ("aten::stack", "aten::cat")
 """Ops that may combine tensors of several blocks into one: their output grows by the copies' inputs."""
 
 
 class NotRepeating(Exception):
     """The record does not repeat the way it would have to: the step is traced in full (the message says why).
-    ``blocks``: a group of blocks does not repeat the one before it (a deeper copy may)."""
+    ``blocks``: a group of blocks does not repeat the one before it (a deeper copy may); ``buckets``: DDP's
+    gradient buckets group parameters of several blocks (no copy of this run's model repeats)."""
 
-    def __init__(self, message: str, *, blocks: bool = False) -> None:
+    def __init__(self, message: str, *, blocks: bool = False, buckets: bool = False) -> None:
         super().__init__(message)
-        self.blocks = blocks
+        self.blocks, self.buckets = blocks, buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,8 @@ class RecordingTracker(StorageTracker):
         self.micro: int | None = None
         self.unexpandable: str | None = None
         """Why the record cannot be expanded (an op that mixes blocks), or ``None``."""
+        self.spanning = False
+        """It cannot because a storage made for several blocks' tensors serves them all (:meth:`made_for`)."""
         self.ops: Counter[tuple[int | None, int | None, str | None]] = Counter()
         """Ops per (block, micro-step, phase): what the expanded step dispatches, by multiplying."""
         self.flops_by: Counter[tuple[int | None, int | None]] = Counter()
@@ -131,6 +136,8 @@ class RecordingTracker(StorageTracker):
         self._last_micro: int | None = None
         self._input_block: int | None = None
         self._sticky: int | None = None
+        self._made_for: list[int | None] | None = None
+        """Inside :meth:`made_for`: the block what is allocated belongs to."""
         self.blocks: list[nn.Module] = []
 
     # --- owners ---
@@ -204,8 +211,28 @@ class RecordingTracker(StorageTracker):
                 weakref.finalize(storage, self._forgotten.pop, storage._cdata, None)
         super().forget(tensors)
 
+    @contextlib.contextmanager
+    def made_for(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """What is allocated and viewed inside belongs to the one block ``tensors`` belong to (to none where they
+        belong to none; the ops inside leave the owner of the ops after them as it was); tensors of several
+        blocks make the record unexpandable, as one storage would then serve blocks that a copy of one block
+        does not repeat (DDP's gradient buckets of a model whose blocks are small)."""
+        owners = {owner for tensor in tensors if (owner := self._local_block(tensor)) is not None}
+        if len(owners) > 1 and self._groups and self.unexpandable is None:
+            self.unexpandable, self.spanning = SPANNING_BUCKETS, True
+        outer, self._made_for = self._made_for, [owners.pop() if len(owners) == 1 else None]
+        try:
+            yield
+        finally:
+            self._made_for = outer
+
     def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
         self._out_owner.clear()
+        if self._made_for is not None:
+            self._op_block = self._made_for[0]
+            for tensor in local_tensors(leaves):
+                self._out_owner[tensor.untyped_storage()._cdata] = self._op_block
+            return
         if self.block is not None:
             self._op_block = self.block
             if self.block == len(self.blocks) and self._groups and leaves:  # the head and the loss

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from memfit.config import TrainConfig
 from memfit.memory.depth import DepthCut, depth_cut
-from memfit.memory.repeats import WINDOW_STRIDE, NotRepeating, Repeat
+from memfit.memory.repeats import SPANNING_BUCKETS, WINDOW_STRIDE, NotRepeating, Repeat
 from memfit.memory.trace_inputs import TraceInputs
 from memfit.models import with_depth
 
@@ -34,8 +34,8 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str, *,
                     spacer: bool | None = None) -> Shortened | str:
     """The shortened trace that stands for ``trace``, or why the full one runs. ``spacer``
     (:func:`memfit.memory.depth.depth_cut`): by default, where a run like this one needed it before."""
-    if strategy == "ddp":
-        return "full trace: DDP's gradient buckets group parameters across blocks"
+    if strategy == "ddp" and _buckets_key(config, trace) in _SPANNING:
+        return f"full trace: {SPANNING_BUCKETS}"
     if spacer is None:
         spacer = spaced_first(config, trace)
     depth = depth_cut(trace.spec, config, trace.task, tail=2 if strategy == "fsdp" else 1, spacer=spacer)
@@ -65,6 +65,8 @@ def after_refusal(config: TrainConfig, trace: TraceInputs, strategy: str, refuse
                   reason: NotRepeating) -> Shortened | str:
     """What runs after ``refused`` did not repeat: a deeper copy, with a spacer, once (where its groups of blocks
     did not repeat and a spacer makes the copy deeper); else the full trace, saying why."""
+    if reason.buckets:  # every copy of this model's blocks would: remembered for the plan's next trace
+        _remember(_SPANNING, _buckets_key(config, trace))
     spaced = shortened_trace(config, trace, strategy, spacer=True) if reason.blocks and not refused.spacer else None
     if isinstance(spaced, Shortened) and spaced.depth not in (None, refused.depth):
         return spaced
@@ -73,6 +75,8 @@ def after_refusal(config: TrainConfig, trace: TraceInputs, strategy: str, refuse
 
 _SPACED: set[tuple[str, ...]] = set()
 """The runs whose copy without a spacer did not repeat: a plan traces the same model and technique many times."""
+_SPANNING: set[tuple[str, ...]] = set()
+"""The DDP runs whose gradient buckets group parameters of several blocks: traced in full from then on."""
 
 
 def spaced_first(config: TrainConfig, trace: TraceInputs) -> bool:
@@ -83,14 +87,19 @@ def spaced_first(config: TrainConfig, trace: TraceInputs) -> bool:
 
 def needs_spacer(config: TrainConfig, trace: TraceInputs) -> None:
     """Remember that a run like this one (the model, task and technique) needs a spacer in its copy."""
-    if len(_SPACED) > 64:
-        _SPACED.clear()
-    _SPACED.add(_spacer_key(config, trace))
+    _remember(_SPACED, _spacer_key(config, trace))
+
+
+def _remember(runs: set[tuple[str, ...]], key: tuple[str, ...]) -> None:
+    if len(runs) > 64:
+        runs.clear()
+    runs.add(key)
 
 
 def forget_spacers() -> None:
-    """Forget which runs needed a spacer, as a fresh process starts."""
+    """Forget which runs needed a spacer or had DDP buckets across blocks, as a fresh process starts."""
     _SPACED.clear()
+    _SPANNING.clear()
 
 
 def _spacer_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
@@ -99,3 +108,11 @@ def _spacer_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
     otherwise)."""
     return (json.dumps(trace.spec.hf_config.to_dict(), sort_keys=True, default=str), trace.task,
             str(config.lora_rank > 0), config.optimizer, str(config.fused), str(config.foreach))
+
+
+def _buckets_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
+    """What decides how DDP's buckets group a run's trained parameters: the model, the task, which parameters
+    are trained and their dtype (a wrong guess costs time, never bytes: the record is checked)."""
+    return (json.dumps(trace.spec.hf_config.to_dict(), sort_keys=True, default=str), trace.task,
+            str(config.lora_rank), str(config.lora_targets), config.quantize_base, str(config.precision == "bf16-true"),
+            str(config.freeze_embeddings), str(config.train_top_layers))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -262,6 +262,12 @@ class StorageTracker(TorchDispatchMode):
             yield
         finally:
             self._elsewhere = outer
+
+    @contextlib.contextmanager
+    def made_for(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+        """What is allocated inside serves ``tensors`` (a gradient bucket of a group of parameters): nothing
+        here; a recording tracker gives it their block (:mod:`memfit.memory.repeats`)."""
+        yield
 
     def allocate(self, key: Hashable, nbytes: int, category: str) -> None:
         """Count ``nbytes`` under ``key`` (a storage no tensor stands for: a copy the trace does not make)."""
