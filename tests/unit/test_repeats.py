@@ -45,6 +45,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": write_model_dir(root / "llama", {**TINY_LLAMA, **deep}),
         "llama7": write_model_dir(root / "llama7", {**TINY_LLAMA, **deep, "num_hidden_layers": 7}),
         "llama12": write_model_dir(root / "llama12", {**TINY_LLAMA, **deep, "num_hidden_layers": 12}),
+        "untied": write_model_dir(root / "untied", {**TINY_LLAMA, **deep, "tie_word_embeddings": False}),
         "bert": write_model_dir(root / "bert", {**TINY_BERT, **deep}),
         "vit": write_model_dir(root / "vit", {**TINY_VIT, "num_hidden_layers": 6}),
         "qwen3_moe": write_model_dir(root / "moe", {**TINY_LLAMA, **TINY_MOE["qwen3_moe"], **deep}),
@@ -130,6 +131,7 @@ DDP = {"task": "causal-lm", "world_size": 2, "distributed": "ddp"}
     ("llama", "cpu", {"effective_batch": 24, "micro_batch_size": 2},  # a loop's step, gradients under no_sync
      "4 of 6 blocks and 8 of 12 micro-steps"),
     ("llama", "4090", {"precision": "bf16", "checkpointing": "full"}, "4 of 6 blocks"),
+    ("untied", "cpu", {}, "4 of 6 blocks"),  # the output layer's bucket of its own
     ("llama12", "1080ti", {"precision": "fp16", "checkpointing": "every-n", "effective_batch": 4,
                            "micro_batch_size": 1}, "6 of 12 blocks"),
 ])
@@ -145,16 +147,21 @@ def test_a_ddp_rank_whose_buckets_stay_within_blocks_is_shortened(
     assert_equal(full, fast)
 
 
-def test_a_ddp_rank_whose_buckets_span_blocks_is_traced_in_full_says_why_and_is_remembered(
+def test_a_ddp_rank_whose_buckets_span_blocks_is_traced_at_full_depth_says_why_and_is_remembered(
         models: dict[str, Path]) -> None:
-    """DDP's 25 MiB buckets hold several of the tiny blocks: no copy repeats. The refused copy is remembered:
-    the next run of that model goes straight to the full trace."""
-    full, fast = both(models["llama"], "cpu", **DDP)
-    assert fast.trace == "full trace: DDP's gradient buckets group parameters of several blocks"
+    """DDP's 25 MiB buckets hold several of the tiny blocks: no copy repeats. The refused copy is traced again
+    at full depth, its micro-steps still shortened (their buckets are the same at any depth), equal to the full
+    trace; the process remembers the model (the next run goes to full depth straight away; with no micro-steps
+    to shorten, to the full trace), and no spacer for it."""
+    spanning = "DDP's gradient buckets group parameters of several blocks"
+    full, fast = both(models["llama"], "cpu", **DDP, effective_batch=24, micro_batch_size=2)
+    assert fast.trace == f"8 of 12 micro-steps traced, the rest replayed (all blocks: {spanning})"
     assert_equal(full, fast)
     config = TrainConfig(model=str(models["llama"]), max_length=16, **DDP)
     trace = prepare_trace(config, device="cpu", seq_len=16, steps=2)
-    assert shortened.shortened_trace(config, trace, "ddp") == fast.trace
+    assert not shortened.spaced_first(config, trace)
+    assert shortened.shortened_trace(config, trace, "ddp") == f"full trace: {spanning}"
+    assert estimate(config, device="cpu", seq_len=16).trace == f"full trace: {spanning}"
     shortened.forget_spacers()
     assert isinstance(shortened.shortened_trace(config, trace, "ddp"), shortened.Shortened)
 

@@ -315,7 +315,7 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
          num_labels: int, exact_trace: bool, timeline: list[tuple[int, str | None]] | None) -> _TracedRun:
     """The shortened trace replayed where the step repeats, else the full trace (saying why); ``timeline``: a
     list that receives (live bytes, phase) after every allocation and free of the (replayed) steps."""
-    shortened, retried = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy), False
+    shortened, spaced = "full trace" if exact_trace or execute else shortened_trace(config, trace, strategy), False
     while isinstance(shortened, Shortened):
         try:
             replayed = _replayed(config, shortened, strategy, count_flops=count_flops, num_labels=num_labels,
@@ -323,9 +323,11 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
         except NotRepeating as reason:
             if timeline is not None:
                 timeline.clear()
-            shortened, retried = after_refusal(config, trace, strategy, shortened, reason), True
+            retry = after_refusal(config, trace, strategy, shortened, reason)
+            spaced = isinstance(retry, Shortened) and retry.spacer and not shortened.spacer
+            shortened = retry
             continue
-        if retried:
+        if spaced:  # a copy with a spacer repeated where the one without did not
             needs_spacer(config, trace)
         return replayed
     run = _trace_steps(config, trace, strategy, execute=execute, count_flops=count_flops, num_labels=num_labels,

@@ -221,10 +221,11 @@ class RecordingTracker(StorageTracker):
         if len(owners) > 1 and self._groups and self.unexpandable is None:
             self.unexpandable, self.spanning = SPANNING_BUCKETS, True
         outer, self._made_for = self._made_for, [owners.pop() if len(owners) == 1 else None]
+        op_block = self._op_block
         try:
             yield
         finally:
-            self._made_for = outer
+            self._made_for, self._op_block = outer, op_block
 
     def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
         self._out_owner.clear()

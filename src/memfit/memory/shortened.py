@@ -34,11 +34,11 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str, *,
                     spacer: bool | None = None) -> Shortened | str:
     """The shortened trace that stands for ``trace``, or why the full one runs. ``spacer``
     (:func:`memfit.memory.depth.depth_cut`): by default, where a run like this one needed it before."""
-    if strategy == "ddp" and _buckets_key(config, trace) in _SPANNING:
-        return f"full trace: {SPANNING_BUCKETS}"
     if spacer is None:
         spacer = spaced_first(config, trace)
-    depth = depth_cut(trace.spec, config, trace.task, tail=2 if strategy == "fsdp" else 1, spacer=spacer)
+    depth: DepthCut | str | None = SPANNING_BUCKETS  # the micro-steps still repeat
+    if strategy != "ddp" or _buckets_key(config, trace) not in _SPANNING:
+        depth = depth_cut(trace.spec, config, trace.task, tail=2 if strategy == "fsdp" else 1, spacer=spacer)
     windows = [Repeat(first=w * WINDOW_STRIDE + 2, period=1, copies=len(window) - 4,
                       limit=(w + 1) * WINDOW_STRIDE) for w, window in enumerate(trace.windows) if len(window) > 4]
     if not isinstance(depth, DepthCut) and not windows:
@@ -64,9 +64,11 @@ def shortened_trace(config: TrainConfig, trace: TraceInputs, strategy: str, *,
 def after_refusal(config: TrainConfig, trace: TraceInputs, strategy: str, refused: Shortened,
                   reason: NotRepeating) -> Shortened | str:
     """What runs after ``refused`` did not repeat: a deeper copy, with a spacer, once (where its groups of blocks
-    did not repeat and a spacer makes the copy deeper); else the full trace, saying why."""
-    if reason.buckets:  # every copy of this model's blocks would: remembered for the plan's next trace
+    did not repeat and a spacer makes the copy deeper); the micro-steps alone, at full depth, where DDP's buckets
+    span blocks (remembered: a plan traces the same model again); else the full trace, saying why."""
+    if reason.buckets:
         _remember(_SPANNING, _buckets_key(config, trace))
+        return shortened_trace(config, trace, strategy)
     spaced = shortened_trace(config, trace, strategy, spacer=True) if reason.blocks and not refused.spacer else None
     if isinstance(spaced, Shortened) and spaced.depth not in (None, refused.depth):
         return spaced
@@ -112,7 +114,7 @@ def _spacer_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
 
 def _buckets_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
     """What decides how DDP's buckets group a run's trained parameters: the model, the task, which parameters
-    are trained and their dtype (a wrong guess costs time, never bytes: the record is checked)."""
+    are trained (a wrong guess costs time, never bytes: the record is checked)."""
     return (json.dumps(trace.spec.hf_config.to_dict(), sort_keys=True, default=str), trace.task,
-            str(config.lora_rank), str(config.lora_targets), config.quantize_base, str(config.precision == "bf16-true"),
-            str(config.freeze_embeddings), str(config.train_top_layers))
+            str(config.lora_rank), str(config.lora_targets), config.quantize_base, str(config.freeze_embeddings),
+            str(config.train_top_layers))
