@@ -177,3 +177,21 @@ def test_a_shortened_traces_timeline_has_the_full_traces_events_and_peak(tmp_pat
     for key in ("events", "peak_bytes"):
         assert shortened.timeline[key] == full.timeline[key]
     assert shortened.timeline["peak_bytes"] == shortened.peak_bytes == full.peak_bytes
+
+
+def test_an_fsdp_rank_frees_each_blocks_gathered_weights_after_using_them(tmp_path: Path) -> None:
+    """FSDP2 frees a block's gathered weights in place (``storage.resize_(0)``) after its forward and backward:
+    one more block adds its shard of the frozen base and its checkpointed input, not its whole gathered weights
+    (counted as never freed, every block's would stay on the card for the whole step)."""
+    from tests.conftest import TINY_LLAMA
+
+    def rank(layers: int) -> Estimate:
+        model = write_model_dir(tmp_path / f"llama{layers}", {
+            **TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": layers, "vocab_size": 64})
+        config = TrainConfig(model=str(model), task="causal-lm", max_length=16, world_size=2, distributed="fsdp",
+                             lora_rank=4, checkpointing="full")
+        return estimate(config, device="cpu", seq_len=16, exact_trace=True)
+
+    four, eight = rank(4), rank(8)
+    shard = (eight.breakdown["frozen_parameters"] - four.breakdown["frozen_parameters"]) // 4  # a block's, per rank
+    assert (eight.peak_bytes - four.peak_bytes) // 4 < 2 * shard  # less than the block's weights gathered

@@ -46,3 +46,14 @@ def test_the_shards_gradients_and_optimizer_live_on_the_host(llama: Path, precis
     assert host["offloaded_optimizer"] >= 2 * shards  # AdamW's two states, beside the step's temporaries
     assert offloaded.host_bytes == sum(host.values())
     assert offloaded.peak_bytes < plain.peak_bytes
+
+
+def test_the_shards_are_made_on_the_host_never_all_on_the_card(tmp_path: Path) -> None:
+    """FSDP2 with CPU offload makes each shard on the host: the card's peak is a phase's, and no moment before the
+    step holds the rank's shards of the whole model (a frozen base of eight blocks, a step that gathers two)."""
+    model = write_model_dir(tmp_path / "llama", {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
+                                                 "num_hidden_layers": 8, "vocab_size": 64})
+    config = TrainConfig(model=str(model), task="causal-lm", max_length=8, effective_batch=2, micro_batch_size=1,
+                         world_size=2, distributed="fsdp", cpu_offload=True, lora_rank=4, checkpointing="full")
+    result = estimate(config, device="1080ti", seq_len=8)
+    assert result.peak_bytes == max(result.phases.values())

@@ -348,9 +348,13 @@ def test_the_fewest_gpus_are_those_a_budget_below_one_replicas_states_needs(tmp_
     budget = parameters * 14  # below one replica's 16 bytes per parameter (with the margin), above half of them
     request = PlanRequest(model=str(model), task="causal-lm", seq_len=16, effective_batch=2, device="cpu",
                           budget=f"{budget}B", precision="fp32", allow=Allowed(lora=True), lora_rank=4)
-    counted = plan_gpu_count(request, max_gpus=4)
+    traces: dict[Any, Any] = {}
+    counted = plan_gpu_count(request, max_gpus=4, cache=traces)
     assert [(cell.technique, cell.gpus) for cell in counted.cells] == [
         ("full", 1), ("full", 2), ("lora", 1), ("lora", 2)]  # no count above the effective batch
+    fewest = plan_gpu_count(request, max_gpus=4, cache=traces, fewest_only=True)  # each up to where it fits
+    assert [(cell.technique, cell.gpus) for cell in fewest.cells] == [("full", 1), ("full", 2), ("lora", 1)]
+    assert fewest.verdict() == counted.verdict()
     full, lora = counted.fewest("full"), counted.fewest("lora")
     assert full is not None and full.gpus == 2 and lora is not None and lora.gpus == 1
     one = counted.cells[0]

@@ -63,3 +63,22 @@ def test_monitor_snapshot_reports_active_monitor_on_cpu() -> None:
             temporary = torch.ones(512)
             del temporary
         assert monitor.snapshot().phase_peaks["forward"] == 1024 + 2048
+
+
+def test_a_storage_written_as_out_and_resized_in_place_is_freed_and_counted_again() -> None:
+    """FSDP2 frees a gathered parameter with ``storage.resize_(0)`` and makes it again with ``resize_(n)``, on the
+    same storage object, between the ops that write into it (``out=``): no op says so, the tracker sees it."""
+    with StorageTracker() as tracker:
+        gathered = torch.empty(256)
+        ones = torch.ones(256)
+        torch.add(ones, ones, out=gathered)  # FSDP2's copy-out writes the all-gather into it
+        assert tracker.live_bytes == 2 * 1024
+        gathered.untyped_storage().resize_(0)  # after the block's forward
+        small = torch.zeros(1)  # the next op sees it freed before it allocates
+        assert tracker.live_bytes == 1024 + 4 and tracker.peak_bytes == 2 * 1024
+        gathered.untyped_storage().resize_(1024)  # before the next all-gather
+        torch.add(ones, ones, out=gathered)
+        assert tracker.live_bytes == tracker.peak_bytes == 2 * 1024 + 4
+        assert tracker.category_bytes["temporaries"] == 2 * 1024 + 4
+        del gathered, small
+        assert tracker.live_bytes == 1024

@@ -61,7 +61,7 @@ from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
 from memfit.memory.fake_answers import FakeAnswers
-from memfit.memory.host_shards import HostShards, offload_problems, offloaded
+from memfit.memory.host_shards import SHARDS, HostShards, offload_problems, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.monitor import timeline_record
 from memfit.memory.repeats import (
@@ -408,10 +408,12 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                 known_masks(all_ones=decoder_unpadded, packed=config.packing):
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
-                model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
-                                          cpu_offload=config.cpu_offload, pin_memory=execute)
+                host = config.cpu_offload and not execute  # the shards made on the host, never on the card
+                with tracker.elsewhere(SHARDS) if host else contextlib.nullcontext():
+                    model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
+                                              cpu_offload=config.cpu_offload, pin_memory=execute)
                 tracker.relabel_module(model)
-                if config.cpu_offload and not execute:  # the shards and the optimizer on the host
+                if host:  # the shards and the optimizer on the host from now on
                     offloaded(tracker, model)
             run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,

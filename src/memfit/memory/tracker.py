@@ -142,14 +142,25 @@ class StorageTracker(TorchDispatchMode):
         self.host_shards: OpRouter | None = None
         """FSDP2's CPU offload emulated (:class:`memfit.memory.host_shards.HostShards`): every op runs through it,
         which counts the shards and the optimizer on the host, their copies to and from the card."""
+        self._resizable: dict[Hashable, tuple[weakref.ReferenceType[torch.UntypedStorage], str]] = {}
+        """Storages an op wrote into as ``out=`` (FSDP2's gathered parameters), with their category: FSDP2 frees
+        them with ``storage.resize_(0)`` after a block's forward and backward and makes them again with
+        ``resize_(n)`` before its next all-gather, on the same storage object; no op says so."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is DEVICE_QUERY:
             return args[0].fake_device if type(args[0]) is FakeTensor else func(*args)
+        if self._resizable:
+            self._resized(kwargs.get("out") if kwargs else None)
         shards = self.host_shards if self._elsewhere is None else None
         if shards is not None:
-            return shards.dispatch(func, args, kwargs or {})
-        out = func(*args, **(kwargs or {}))
+            out = shards.dispatch(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
+        if kwargs and kwargs.get("out") is not None:
+            self._watch(kwargs["out"])
+        if shards is not None:
+            return out
         leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         self._attribute(func, args, leaves)
         if self._elsewhere is not None:
@@ -201,13 +212,46 @@ class StorageTracker(TorchDispatchMode):
             if key in self._sizes or key in self._host_sizes:  # counted already, on the device or the host
                 continue
             raw = storage.nbytes()
-            if self.budget_bytes is not None and self.live_bytes + self._rounded(raw) > self.budget_bytes:
-                raise OUT_OF_MEMORY(
-                    f"emulated budget: tried to allocate {raw:,} bytes with {self.live_bytes:,} of "
-                    f"{self.budget_bytes:,} bytes live")
+            if raw == 0 and key in self._resizable:  # freed in place: counted again when it is made again
+                continue
+            self._admit(raw)
             kind = category or self._label or ("activations" if self._phase == "forward" else "temporaries")
             self._allocate(key, raw, kind)
             weakref.finalize(storage, self._release, key)
+
+    def _admit(self, raw: int) -> None:
+        if self.budget_bytes is not None and self.live_bytes + self._rounded(raw) > self.budget_bytes:
+            raise OUT_OF_MEMORY(
+                f"emulated budget: tried to allocate {raw:,} bytes with {self.live_bytes:,} of "
+                f"{self.budget_bytes:,} bytes live")
+
+    def _watch(self, targets: Any) -> None:
+        """Storages written into as ``out=`` may be resized in place from now on (:attr:`_resizable`)."""
+        for tensor in local_tensors(leaf for leaf in tree_leaves(targets) if isinstance(leaf, torch.Tensor)):
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in self._sizes and key not in self._resizable:
+                self._resizable[key] = (weakref.ref(storage), self._categories[key])
+
+    def _resized(self, targets: Any = None) -> None:
+        """Before an op: the resizable storages freed in place since the last one; those the op writes into
+        (``targets``, its ``out=``) that were made again, counted again in their category."""
+        for key, (ref, _) in list(self._resizable.items()):
+            storage = ref()
+            if storage is None:
+                del self._resizable[key]
+            elif key in self._sizes and storage.nbytes() == 0:
+                self._resizable[key] = (ref, self._categories[key])
+                self._release(key)
+        if targets is None:
+            return
+        for tensor in local_tensors(leaf for leaf in tree_leaves(targets) if isinstance(leaf, torch.Tensor)):
+            key = tensor.untyped_storage()._cdata
+            entry = self._resizable.get(key)
+            raw = tensor.untyped_storage().nbytes()
+            if entry is not None and key not in self._sizes and raw:
+                self._admit(raw)
+                self._allocate(key, raw, entry[1])
 
     def _allocate(self, key: Hashable, raw: int, kind: str) -> None:
         """Count a storage of ``raw`` bytes as ``kind`` (the allocator's block size on a CUDA target)."""
@@ -362,6 +406,8 @@ class StorageTracker(TorchDispatchMode):
             self._exit_phase(outer)
 
     def _enter_phase(self, name: str) -> None:
+        if self._resizable:
+            self._resized()
         self._phase, self._label = name, None
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live_bytes)
 

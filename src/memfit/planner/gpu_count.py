@@ -116,8 +116,9 @@ class GpuCount:
 
 
 def plan_gpu_count(request: PlanRequest, max_gpus: int, *, progress: Callable[[str], None] | None = None,
-                   cache: dict[Any, Estimate] | None = None) -> GpuCount:
-    """Each technique's plan on 1..``max_gpus`` GPUs (see the module docstring)."""
+                   cache: dict[Any, Estimate] | None = None, fewest_only: bool = False) -> GpuCount:
+    """Each technique's plan on 1..``max_gpus`` GPUs (see the module docstring); ``fewest_only``: each technique
+    up to the first count it fits on (the fewest GPUs and their setup, not the setups on more)."""
     from memfit.devices import resolve_profile
     from memfit.planner.choose import adapter_problem
 
@@ -142,5 +143,7 @@ def plan_gpu_count(request: PlanRequest, max_gpus: int, *, progress: Callable[[s
         for gpus in counts:
             made = dataclasses.replace(asked, gpus=gpus).run(progress=progress, cache=shared, suggest=False)
             cells.append(Cell(technique=technique, gpus=gpus, plan=made))
+            if fewest_only and made.chosen is not None:
+                break
     return GpuCount(cells=cells, max_gpus=max(counts), lora_rank=rank, skipped=skipped,
                     seconds=time.perf_counter() - started)
