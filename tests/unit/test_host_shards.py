@@ -50,10 +50,12 @@ def test_the_shards_gradients_and_optimizer_live_on_the_host(llama: Path, precis
 
 def test_the_shards_are_made_on_the_host_never_all_on_the_card(tmp_path: Path) -> None:
     """FSDP2 with CPU offload makes each shard on the host: the card's peak is a phase's, and no moment before the
-    step holds the rank's shards of the whole model (a frozen base of eight blocks, a step that gathers two)."""
+    step holds the rank's shards of the whole model (eight blocks, a step that gathers two); the host holds the
+    shards, nothing of the model they were made from."""
     model = write_model_dir(tmp_path / "llama", {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
                                                  "num_hidden_layers": 8, "vocab_size": 64})
     config = TrainConfig(model=str(model), task="causal-lm", max_length=8, effective_batch=2, micro_batch_size=1,
-                         world_size=2, distributed="fsdp", cpu_offload=True, lora_rank=4, checkpointing="full")
+                         world_size=2, distributed="fsdp", cpu_offload=True, checkpointing="full")
     result = estimate(config, device="1080ti", seq_len=8)
     assert result.peak_bytes == max(result.phases.values())
+    assert result.host_breakdown["offloaded_parameters"] == padded_shard_bytes(model)

@@ -80,5 +80,12 @@ def test_a_storage_written_as_out_and_resized_in_place_is_freed_and_counted_agai
         torch.add(ones, ones, out=gathered)
         assert tracker.live_bytes == tracker.peak_bytes == 2 * 1024 + 4
         assert tracker.category_bytes["temporaries"] == 2 * 1024 + 4
-        del gathered, small
+        gathered.untyped_storage().resize_(0)
+        with tracker.phase("forward"):  # freed before the phase starts: not in its peak
+            assert tracker.live_bytes == tracker.phase_peaks["forward"] == 1024 + 4
+            gathered.untyped_storage().resize_(1024)
+            view = gathered.view(16, 16)  # FSDP2 views the storage before its copy-out writes into it
+            assert tracker.live_bytes == 2 * 1024 + 4
+            assert tracker.category_bytes["temporaries"] == 2 * 1024 + 4  # its category, not the phase's
+        del gathered, small, view
         assert tracker.live_bytes == 1024

@@ -61,7 +61,7 @@ from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
 from memfit.memory.fake_answers import FakeAnswers
-from memfit.memory.host_shards import SHARDS, HostShards, offload_problems, offloaded
+from memfit.memory.host_shards import HostShards, offload_problems, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.monitor import timeline_record
 from memfit.memory.repeats import (
@@ -409,7 +409,7 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
                 host = config.cpu_offload and not execute  # the shards made on the host, never on the card
-                with tracker.elsewhere(SHARDS) if host else contextlib.nullcontext():
+                with tracker.paused() if host else contextlib.nullcontext():
                     model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
                                               cpu_offload=config.cpu_offload, pin_memory=execute)
                 tracker.relabel_module(model)

@@ -305,6 +305,10 @@ class RecordingTracker(StorageTracker):
             self.micro = self._last_micro = self._window * WINDOW_STRIDE + self._index
         super().track(*tensors, category=category)
 
+    def relabel_module(self, module: nn.Module) -> None:
+        self._learn_parameters()  # FSDP2's shards, made where no op was counted with CPU offload
+        super().relabel_module(module)
+
     def track_module(self, module: nn.Module) -> None:
         self._learn_parameters()  # sharded by now, where FSDP shards
         self._out_owner = {key: owner for key, owner in self._param_blocks.items()}

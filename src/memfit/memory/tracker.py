@@ -146,10 +146,16 @@ class StorageTracker(TorchDispatchMode):
         """Storages an op wrote into as ``out=`` (FSDP2's gathered parameters), with their category: FSDP2 frees
         them with ``storage.resize_(0)`` after a block's forward and backward and makes them again with
         ``resize_(n)`` before its next all-gather, on the same storage object; no op says so."""
+        self._live_resizable: set[Hashable] = set()
+        """Those counted now: the ones checked before each op (a few blocks' worth at a time)."""
+        self._paused = False
+        """Inside :meth:`paused`: ops run, nothing is counted."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is DEVICE_QUERY:
             return args[0].fake_device if type(args[0]) is FakeTensor else func(*args)
+        if self._paused:
+            return func(*args, **(kwargs or {}))
         if self._resizable:
             self._resized(kwargs.get("out") if kwargs else None)
         shards = self.host_shards if self._elsewhere is None else None
@@ -204,6 +210,8 @@ class StorageTracker(TorchDispatchMode):
 
     def track(self, *tensors: torch.Tensor, category: str | None = None) -> None:
         """Count the storages of ``tensors`` (idempotent: a storage already counted is skipped)."""
+        if self._live_resizable:
+            self._resized()
         for tensor in local_tensors(tensors):
             if tensor.layout != torch.strided:
                 continue
@@ -212,7 +220,9 @@ class StorageTracker(TorchDispatchMode):
             if key in self._sizes or key in self._host_sizes:  # counted already, on the device or the host
                 continue
             raw = storage.nbytes()
-            if raw == 0 and key in self._resizable:  # freed in place: counted again when it is made again
+            if key in self._resizable:  # freed in place before: counted again once it is made again
+                if raw:
+                    self._recount(key, raw)
                 continue
             self._admit(raw)
             kind = category or self._label or ("activations" if self._phase == "forward" else "temporaries")
@@ -232,26 +242,32 @@ class StorageTracker(TorchDispatchMode):
             key = storage._cdata
             if key in self._sizes and key not in self._resizable:
                 self._resizable[key] = (weakref.ref(storage), self._categories[key])
+                self._live_resizable.add(key)
+                weakref.finalize(storage, self._resizable.pop, key, None)
 
     def _resized(self, targets: Any = None) -> None:
-        """Before an op: the resizable storages freed in place since the last one; those the op writes into
-        (``targets``, its ``out=``) that were made again, counted again in their category."""
-        for key, (ref, _) in list(self._resizable.items()):
-            storage = ref()
-            if storage is None:
-                del self._resizable[key]
-            elif key in self._sizes and storage.nbytes() == 0:
-                self._resizable[key] = (ref, self._categories[key])
+        """Before an op (and a phase, a storage counted outside an op): the watched storages freed in place
+        since; those the op writes into (``targets``, its ``out=``) that were made again, counted again."""
+        for key in list(self._live_resizable):
+            entry = self._resizable.get(key)
+            storage = entry[0]() if entry is not None else None
+            if storage is None or key not in self._sizes:  # gone, and released as any storage is
+                self._live_resizable.discard(key)
+            elif storage.nbytes() == 0:
+                self._resizable[key] = (entry[0], self._categories[key])  # type: ignore[index]
+                self._live_resizable.discard(key)
                 self._release(key)
-        if targets is None:
-            return
         for tensor in local_tensors(leaf for leaf in tree_leaves(targets) if isinstance(leaf, torch.Tensor)):
             key = tensor.untyped_storage()._cdata
-            entry = self._resizable.get(key)
             raw = tensor.untyped_storage().nbytes()
-            if entry is not None and key not in self._sizes and raw:
-                self._admit(raw)
-                self._allocate(key, raw, entry[1])
+            if key in self._resizable and key not in self._sizes and raw:
+                self._recount(key, raw)
+
+    def _recount(self, key: Hashable, raw: int) -> None:
+        """A watched storage made again in place: counted again, in the category it had."""
+        self._admit(raw)
+        self._allocate(key, raw, self._resizable[key][1])
+        self._live_resizable.add(key)
 
     def _allocate(self, key: Hashable, raw: int, kind: str) -> None:
         """Count a storage of ``raw`` bytes as ``kind`` (the allocator's block size on a CUDA target)."""
@@ -308,6 +324,16 @@ class StorageTracker(TorchDispatchMode):
             self._elsewhere = outer
 
     @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops inside are not the target's: what they make is counted where it is later put, if anywhere
+        (FSDP2 with CPU offload makes each shard in host memory from the model the host holds)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    @contextlib.contextmanager
     def made_for(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         """What is allocated inside serves ``tensors`` (a gradient bucket of a group of parameters): nothing
         here; a recording tracker gives it their block (:mod:`memfit.memory.repeats`)."""
@@ -315,6 +341,8 @@ class StorageTracker(TorchDispatchMode):
 
     def allocate(self, key: Hashable, nbytes: int, category: str) -> None:
         """Count ``nbytes`` under ``key`` (a storage no tensor stands for: a copy the trace does not make)."""
+        if self._live_resizable:
+            self._resized()
         self._allocate(key, nbytes, category)
 
     def release(self, key: Hashable) -> None:
@@ -399,6 +427,8 @@ class StorageTracker(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         """Attribute the peak reached inside the block to phase ``name`` (the max over all its entries)."""
         outer = self._phase
+        if self._live_resizable:  # freed in place before the phase starts: not in its peak
+            self._resized()
         self._enter_phase(name)
         try:
             yield
@@ -406,8 +436,6 @@ class StorageTracker(TorchDispatchMode):
             self._exit_phase(outer)
 
     def _enter_phase(self, name: str) -> None:
-        if self._resizable:
-            self._resized()
         self._phase, self._label = name, None
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live_bytes)
 
