@@ -1,29 +1,27 @@
 """Predict the peak memory of a training step without running it: a fake-tensor trace of the real step.
 
-The trace builds the model with the engine's own builder and techniques
-(:func:`memfit.build.build_with_techniques`), runs the engine's own window step
-(:func:`memfit.step.accumulate_window`) and optimizer step (:func:`memfit.techniques.stability.guarded_step`),
-all under ``FakeTensorMode`` on CPU: tensors carry shapes and dtypes but no data, so a 7B-parameter config
-costs no parameter memory here. A :class:`~memfit.memory.tracker.StorageTracker` counts live storages
-exactly as it does in a real CPU run, so with ``device="cpu"`` the estimate equals the run's tracked peak.
+The trace builds the model with the engine's builder and techniques (:func:`memfit.build.build_with_techniques`),
+runs its window step (:func:`memfit.step.accumulate_window`) and optimizer step
+(:func:`memfit.techniques.stability.guarded_step`) under ``FakeTensorMode`` on CPU: shapes and dtypes, no data.
+The tracker (:class:`~memfit.memory.tracker.StorageTracker`) counts live storages as in a real CPU run: with
+``device="cpu"`` the estimate equals the run's tracked peak.
 
 Steady state: AdamW creates its state lazily in the first optimizer step, so the trace runs ``steps``
-(default 2) full windows and the peak is taken over all of them; step 2 is the first with the state live
-during forward and backward. For CUDA targets, :mod:`memfit.memory.emulation` switches the autocast policy
-and attention kernel to CUDA's, and the tracker counts each storage at the size of the block the caching
-allocator would serve it from (:mod:`memfit.memory.allocator`), which also gives ``reserved``.
+(default 2) full windows and the peak is taken over all of them. For CUDA targets,
+:mod:`memfit.memory.emulation` switches the autocast policy and attention kernel to CUDA's, and the tracker
+counts each storage at the size of the block the caching allocator would serve it from
+(:mod:`memfit.memory.allocator`), which also gives ``reserved``.
 
 Modelled rather than traced: the GradScaler's found-inf check reads a value, so fp16 traces run without the
-scaler and add its state (scale, growth tracker, found-inf, inverse scale: four one-element tensors).
-``non_pytorch_bytes`` is the CUDA context and library workspaces, from the
-device profile.
+scaler and add its state (four one-element tensors). ``non_pytorch_bytes`` (the CUDA context and library
+workspaces) is the device profile's.
 
 One rank of N (``distributed``/``world_size``): FSDP2 is traced for real over a fake process group of N
 ranks (:func:`memfit.distributed.fake_world`; the mesh is made before the fake mode), with the engine's
 no-sync micro-steps; collectives complete at once there, so a real reduce-scatter that finishes late can keep
 up to one layer's buffer longer than the trace. DDP cannot be built on fake tensors: its persistent gradient
 buckets are modelled (:class:`~memfit.memory.ddp_buckets.DdpBuckets`). On CPU both equal a 2-process gloo
-run's per-rank tracked peak (DDP to the byte, FSDP to 8 bytes; tests/integration/test_distributed.py).
+run's per-rank tracked peak (DDP to the byte, FSDP to 8 bytes), counted as the trace counts.
 """
 
 from __future__ import annotations
@@ -324,8 +322,7 @@ def _run(config: TrainConfig, trace: TraceInputs, strategy: str, *, execute: boo
             if timeline is not None:
                 timeline.clear()
             retry = after_refusal(config, trace, strategy, shortened, reason)
-            spaced = isinstance(retry, Shortened) and retry.spacer and not shortened.spacer
-            shortened = retry
+            spaced, shortened = isinstance(retry, Shortened) and retry.spacer and not shortened.spacer, retry
             continue
         if spaced:  # a copy with a spacer repeated where the one without did not
             needs_spacer(config, trace)
@@ -408,12 +405,12 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                 known_masks(all_ones=decoder_unpadded, packed=config.packing):
             scaler_bytes, workspace_bytes = _persistent_bytes(model, config, precision, emulation, allocator)
             if strategy == "fsdp":  # sharded inside the tracker, as the engine shards a built model
-                host = config.cpu_offload and not execute  # the shards made on the host, never on the card
-                with tracker.paused() if host else contextlib.nullcontext():
+                host = config.cpu_offload and not execute  # shards, gradients and optimizer on the host
+                with tracker.paused() if host else contextlib.nullcontext():  # each shard made there
                     model = distributed.shard(model, mesh, low_precision=precision.low_dtype,
                                               cpu_offload=config.cpu_offload, pin_memory=execute)
                 tracker.relabel_module(model)
-                if host:  # the shards and the optimizer on the host from now on
+                if host:
                     offloaded(tracker, model)
             run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,

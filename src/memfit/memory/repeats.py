@@ -113,7 +113,7 @@ class RecordingTracker(StorageTracker):
         self.unexpandable: str | None = None
         """Why the record cannot be expanded (an op that mixes blocks), or ``None``."""
         self.spanning = False
-        """It cannot because a storage made for several blocks' tensors serves them all (:meth:`made_for`)."""
+        """Because a storage serves several blocks' tensors (:meth:`made_for`)."""
         self.ops: Counter[tuple[int | None, int | None, str | None]] = Counter()
         """Ops per (block, micro-step, phase): what the expanded step dispatches, by multiplying."""
         self.flops_by: Counter[tuple[int | None, int | None]] = Counter()
@@ -136,8 +136,7 @@ class RecordingTracker(StorageTracker):
         self._last_micro: int | None = None
         self._input_block: int | None = None
         self._sticky: int | None = None
-        self._made_for: list[int | None] | None = None
-        """Inside :meth:`made_for`: the block what is allocated belongs to."""
+        self._made_for: list[int | None] | None = None  # inside made_for: the block what is made belongs to
         self.blocks: list[nn.Module] = []
 
     # --- owners ---
@@ -213,15 +212,12 @@ class RecordingTracker(StorageTracker):
 
     @contextlib.contextmanager
     def made_for(self, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-        """What is allocated and viewed inside belongs to the one block ``tensors`` belong to (to none where they
-        belong to none; the ops inside leave the owner of the ops after them as it was); tensors of several
-        blocks make the record unexpandable, as one storage would then serve blocks that a copy of one block
-        does not repeat (DDP's gradient buckets of a model whose blocks are small)."""
+        """What is made inside belongs to the one block ``tensors`` belong to (or none); tensors of several blocks
+        make the record unexpandable: a copy of one block does not repeat a storage serving several."""
         owners = {owner for tensor in tensors if (owner := self._local_block(tensor)) is not None}
         if len(owners) > 1 and self._groups and self.unexpandable is None:
             self.unexpandable, self.spanning = SPANNING_BUCKETS, True
-        outer, self._made_for = self._made_for, [owners.pop() if len(owners) == 1 else None]
-        op_block = self._op_block
+        outer, op_block, self._made_for = self._made_for, self._op_block, [owners.pop() if len(owners) == 1 else None]
         try:
             yield
         finally:
@@ -305,8 +301,8 @@ class RecordingTracker(StorageTracker):
             self.micro = self._last_micro = self._window * WINDOW_STRIDE + self._index
         super().track(*tensors, category=category)
 
-    def relabel_module(self, module: nn.Module) -> None:
-        self._learn_parameters()  # FSDP2's shards, made where no op was counted with CPU offload
+    def relabel_module(self, module: nn.Module) -> None:  # FSDP2's shards: made uncounted with CPU offload
+        self._learn_parameters()
         super().relabel_module(module)
 
     def track_module(self, module: nn.Module) -> None:
