@@ -583,3 +583,27 @@ def test_a_family_whose_traced_least_need_does_not_fit_is_not_traced_again(tmp_p
     fitting.fit(family)
     assert len(cache) == 3  # the two points of its line
     assert {micro for _, micro in fitting.candidates} == set(micro_batch_sizes(8))
+
+
+def test_an_fsdp_split_without_accumulation_is_traced_where_the_accumulating_line_overstates_it(
+        tmp_path: Path) -> None:
+    """FSDP2 keeps unsharded gradients across a window's no-sync micro-steps; one micro-batch per window never
+    holds them. A weights-heavy model on 2 GPUs whose budget fits only the split without accumulation: the plan
+    traces that split rather than judge it from the line through accumulating windows, and chooses it."""
+    from memfit.planner.request import PlanRequest
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 256, "intermediate_size": 1024,
+                                                      "num_hidden_layers": 8})
+    options = {"model": str(model), "task": "causal-lm", "max_length": 8, "precision": "fp32",
+               "distributed": "fsdp", "world_size": 2}
+    whole = estimate(TrainConfig(**options, effective_batch=4, micro_batch_size=2, checkpointing="none"),
+                     device="cpu", seq_len=8)
+    accumulating = estimate(TrainConfig(**options, effective_batch=4, micro_batch_size=1, checkpointing="full"),
+                            device="cpu", seq_len=8)
+    assert accumulating.total_bytes > whole.total_bytes  # the unsharded gradients outweigh a sample's activations
+    request = PlanRequest(model=str(model), task="causal-lm", seq_len=8, effective_batch=4, device="cpu",
+                          budget=f"{whole.total_bytes}B", margin=0.0, precision="fp32", gpus=2, distributed="fsdp")
+    made = request.run()
+    assert made.chosen is not None and (made.chosen.micro_batch_size, made.chosen.accumulation_steps) == (2, 1)
+    assert made.chosen.exact and made.chosen.predicted_peak_bytes == whole.total_bytes

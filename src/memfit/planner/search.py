@@ -184,6 +184,12 @@ class Search:
         self.costs[family] = self.step_cost(family, self.lines[family].low)
         for micro in self.micros:
             self.predict(family, micro)
+        whole = self.candidates[(family, self.effective)]
+        if family.strategy.startswith("fsdp") and not whole.fits and not whole.exact:
+            # FSDP2 keeps unsharded gradients across a window's no-sync micro-steps, which a window of one
+            # micro-batch never holds: the line, through accumulating windows, overstates that split
+            self.exact(family, self.effective)
+            self.predict(family, self.effective)
 
     def predict(self, family: Family, micro: int) -> Candidate:
         assert micro == self.effective or not family.optimizer_in_backward, "a step in backward cannot accumulate"
