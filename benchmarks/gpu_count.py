@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memfit.memory.estimate import estimate
 from memfit.planner.allowed import Allowed
 from memfit.planner.gpu_count import GpuCount, plan_gpu_count
 from memfit.planner.request import PlanRequest
@@ -33,9 +32,9 @@ PROFILES = ("4090", "a100-80", "h100")
 TECHNIQUES = ("full", "lora", "qlora")
 
 
-def row(model: str, profile: str, result: GpuCount, seq_len: int) -> dict[str, Any]:
+def row(model: str, profile: str, result: GpuCount) -> dict[str, Any]:
     """The fewest GPUs of each technique, its setup and per-GPU peak there; where the setup keeps its shards or
-    optimizer on the host, the host memory each rank needs (traced again from the plan's config)."""
+    optimizer on the host, the host memory each rank needs (from the chosen setup's exact trace)."""
     out: dict[str, Any] = {"model": model, "profile": profile, "seconds": round(result.seconds, 1),
                            "verdict": result.verdict(), "skipped": result.skipped}
     for technique in TECHNIQUES:
@@ -44,11 +43,8 @@ def row(model: str, profile: str, result: GpuCount, seq_len: int) -> dict[str, A
         if cell is None or chosen is None:
             out[technique] = None
             continue
-        family = chosen.family
-        offloads = family.strategy.endswith("offload") or family.offload_optimizer or family.offload_activations
-        host = estimate(cell.plan.to_config(), device=profile, seq_len=seq_len).host_bytes if offloads else 0
         out[technique] = {"gpus": cell.gpus, "setup": chosen.describe(), "per_gpu_bytes": chosen.predicted_peak_bytes,
-                          "host_bytes_per_gpu": host}
+                          "host_bytes_per_gpu": chosen.predicted_host_bytes}
     return out
 
 
@@ -80,7 +76,7 @@ def main() -> None:
                                   allow=Allowed(lora=True, qlora=True), lora_rank=16)
             started = time.perf_counter()
             result = plan_gpu_count(request, args.max_gpus, fewest_only=not args.every_count)
-            entry = row(model, profile, result, args.seq_len)
+            entry = row(model, profile, result)
             entry["seconds"] = round(time.perf_counter() - started, 1)
             rows.append(entry)
             lines.append(f"| {model} | {profile} | " + " | ".join(

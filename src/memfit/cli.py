@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from memfit.commands import launcher
+from memfit.commands import launch_line
 from memfit.config import TrainConfig, from_mapping, load_config_file
 from memfit.dependencies import check_transformers
 from memfit.errors import ConfigError, MemfitError, NothingFits, messages
@@ -57,6 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
         model=args.model, task=args.task, seq_len=args.seq_len, image_size=args.image_size,
         effective_batch=args.effective_batch, num_labels=args.num_labels, max_target_length=args.max_target_length,
         device=args.device, budget=args.budget, margin=args.margin, gpus=args.gpus, distributed=args.distributed,
+        gpus_per_node=args.gpus_per_node, host_memory=args.host_memory,
         precision=args.precision, optimizer=args.optimizer, allow=Allowed.of(args), lora_rank=args.lora_rank,
         exact_trace=args.exact_trace, options=load_config_file(args.config) if args.config else {})
     if args.max_gpus is not None:
@@ -98,7 +99,8 @@ def _plan_gpu_count(request: Any, args: argparse.Namespace) -> int:
     else:
         print_gpu_count(Console(width=max(Console().width, 150)), counted)
         if args.save and chosen is not None:
-            print(f"saved to {args.save}; train with: {' '.join(launcher(chosen.gpus))} train --plan {args.save}")
+            launch = launch_line(chosen.gpus, chosen.plan.gpus_per_node)
+            print(f"saved to {args.save}; train with: {launch} train --plan {args.save}")
     if chosen is None:
         sys.stderr.write(f"memfit: {counted.verdict()}\n")
         return 1
@@ -197,14 +199,15 @@ def run_train(args: argparse.Namespace) -> int:
 def with_command(error: NothingFits, words: list[str], *, given: tuple[str, ...]) -> str:
     """The planner's verdict and the command that trains with the first opt-in that would fit and that the run
     does not give yet (``given``: its opt-ins, from the command line or a config file)."""
-    from memfit.distributed import launched_world_size
+    from memfit.distributed import launched_per_node, launched_world_size
 
     missing = next(([flag for flag in fix if flag not in given] for fix in error.fixes
                     if any(flag not in given for flag in fix)), None)
     if missing is None:
         return error.verdict
     kept = [word for word in words if word != "--dry-run"]
-    command = " ".join([*launcher(launched_world_size()), *(shlex.quote(word) for word in kept), *missing])
+    launch = launch_line(launched_world_size(), launched_per_node())
+    command = " ".join([launch, *(shlex.quote(word) for word in kept), *missing])
     return f"{error.verdict}; to train with the first: {command}"
 
 

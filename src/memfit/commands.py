@@ -15,11 +15,14 @@ from memfit.options import NO_CLIP, build_parser
 
 LAUNCHED = ("world_size",)
 """Options torchrun's launch sets (the number of processes), not given to ``memfit train``."""
+RENDEZVOUS = "${MASTER_ADDR}:29500"
+"""Where the machines of a launch over several meet: the first machine's address (``MASTER_ADDR``, set on
+each before running the command) and torchrun's default port."""
 
 
-def train_words(config: TrainConfig) -> list[str]:
+def train_words(config: TrainConfig, per_node: int | None = None) -> list[str]:
     """``memfit train`` and the options that make ``config`` (``torchrun ... -m memfit train`` for several
-    ranks)."""
+    ranks; ``per_node``: the ranks of one machine, where they fill several)."""
     parser = commands(build_parser())["train"]
     defaults = TrainConfig().to_dict()
     words: list[str] = []
@@ -29,17 +32,31 @@ def train_words(config: TrainConfig) -> list[str]:
         value = getattr(config, action.dest)
         if value != defaults[action.dest]:
             words += _option(action, value)
-    return [*launcher(config.world_size), "train", *words]
+    return [*launcher(config.world_size, per_node), "train", *words]
 
 
-def launcher(ranks: int) -> list[str]:
-    """What runs memfit on ``ranks`` processes: ``memfit``, or ``torchrun --nproc-per-node=N -m memfit``."""
-    return ["torchrun", f"--nproc-per-node={ranks}", "-m", "memfit"] if ranks > 1 else ["memfit"]
+def launcher(ranks: int, per_node: int | None = None) -> list[str]:
+    """What runs memfit on ``ranks`` processes: ``memfit``, ``torchrun --nproc-per-node=N -m memfit`` on one
+    machine, or, where ``per_node`` of them fill several, torchrun with a c10d rendezvous at
+    :data:`RENDEZVOUS`, run the same on every machine."""
+    if ranks <= 1:
+        return ["memfit"]
+    if per_node is None or per_node >= ranks:
+        return ["torchrun", f"--nproc-per-node={ranks}", "-m", "memfit"]
+    return ["torchrun", f"--nnodes={ranks // per_node}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={RENDEZVOUS}", "--rdzv-id=memfit", "-m", "memfit"]
 
 
-def train_command(config: TrainConfig) -> str:
+def launch_line(ranks: int, per_node: int | None = None) -> str:
+    """:func:`launcher` as the start of a shell line (the rendezvous address left for the shell to expand)."""
+    return " ".join(f'"{word}"' if "$" in word else shlex.quote(word) for word in launcher(ranks, per_node))
+
+
+def train_command(config: TrainConfig, per_node: int | None = None) -> str:
     """:func:`train_words` as one shell line."""
-    return " ".join(shlex.quote(word) for word in train_words(config))
+    words = train_words(config, per_node)
+    start = words.index("train")
+    return " ".join([launch_line(config.world_size, per_node), *(shlex.quote(word) for word in words[start:])])
 
 
 def _option(action: argparse.Action, value: Any) -> list[str]:

@@ -7,6 +7,7 @@ also answers yes on older cards where bf16 is emulated and slow, so it is not tr
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,12 @@ if TYPE_CHECKING:
 NATIVE_BF16_CAPABILITY = (8, 0)
 PCIE3_BANDWIDTH = 12e9
 """Achievable bytes per second of PCIe 3.0 x16: the default link and host bandwidth of a profile."""
+NODE_BANDWIDTH = 10e9
+"""Bytes per second between machines by default: 80 % of one 100 Gb/s Ethernet or InfiniBand EDR link (an
+assumption, not a measurement: a profile file sets ``node_bandwidth`` to the cluster's own)."""
+DATACENTER_NODE_GBS = {"A100": 160.0, "H100": 320.0}
+"""GB/s between machines of data-center cards: 80 % of eight 200 Gb/s (HDR, A100 systems) or 400 Gb/s (NDR,
+H100 systems) InfiniBand links per machine, one per GPU (an assumption, as :data:`NODE_BANDWIDTH`)."""
 GPU_OP_OVERHEAD_S = 15e-6
 """Host time per op of an eager CUDA step, from ``memfit bench`` of BERT-base at 128 tokens on an H200
 (benchmarks/results/gpu_h200): step time less the FLOP model's compute, over the traced ops, is 13.9 us
@@ -160,6 +167,10 @@ class DeviceProfile:
     NVLink where such cards have it, else PCIe): what DDP's all-reduce and FSDP's gathers cost."""
     host_bandwidth: float = PCIE3_BANDWIDTH
     """Bytes per second between the card and host memory (PCIe): what FSDP's CPU offload pays."""
+    node_bandwidth: float = NODE_BANDWIDTH
+    """Bytes per second a collective moves between machines (the bus bandwidth of all one machine's network
+    links): what crosses nodes costs when a plan's GPUs fill several machines (``--gpus-per-node``); a
+    collective that spans nodes runs at the lower of this and :attr:`link_bandwidth`."""
 
     def flops_for(self, precision: str) -> float:
         """Dense matmul throughput under ``precision`` (fp32, fp16 or bf16 autocast)."""
@@ -191,14 +202,15 @@ CUDA_CONTEXT_BYTES = 400 * 1024**2  # typical CUDA context + cuBLAS workspace of
 
 def _gpu(name: str, description: str, memory_gib: float, capability: tuple[int, int], fp32: float, fp16: float,
          bf16: float, bandwidth_gbs: float, tensor_cores: bool, *, link_gbs: float = 12,
-         host_gbs: float = 12) -> DeviceProfile:
-    """``link_gbs``/``host_gbs``: achievable (not nominal) GB/s: PCIe 3.0 x16 ~12, 4.0 ~24, 5.0 ~48; NVLink
-    bus bandwidth from the datasheets' per-GPU figure, halved for what all-reduce reaches."""
+         host_gbs: float = 12, node_gbs: float = NODE_BANDWIDTH / 1e9) -> DeviceProfile:
+    """``link_gbs``/``host_gbs``/``node_gbs``: achievable (not nominal) GB/s: PCIe 3.0 x16 ~12, 4.0 ~24, 5.0
+    ~48; NVLink bus bandwidth from the datasheets' per-GPU figure, halved for what all-reduce reaches; between
+    machines 80 % of the network's line rate (:data:`NODE_BANDWIDTH`, :data:`DATACENTER_NODE_GBS`)."""
     return DeviceProfile(name=name, description=description, memory_bytes=int(memory_gib * GiB),
                          compute_capability=capability, fp32_flops=fp32 * TERA, fp16_flops=fp16 * TERA,
                          bf16_flops=bf16 * TERA, memory_bandwidth=bandwidth_gbs * 1e9, tensor_cores=tensor_cores,
                          non_pytorch_bytes=CUDA_CONTEXT_BYTES, link_bandwidth=link_gbs * 1e9,
-                         host_bandwidth=host_gbs * 1e9)
+                         host_bandwidth=host_gbs * 1e9, node_bandwidth=node_gbs * 1e9)
 
 
 CPU_FP32 = 0.3 * TERA
@@ -242,11 +254,15 @@ PROFILES: dict[str, DeviceProfile] = {profile.name: profile for profile in (
          host_gbs=24),
     _gpu("3090", "NVIDIA GeForce RTX 3090", 24, (8, 6), 35.6, 71, 71, 936, True, link_gbs=24, host_gbs=24),
     _gpu("4090", "NVIDIA GeForce RTX 4090", 24, (8, 9), 82.6, 165, 165, 1008, True, link_gbs=24, host_gbs=24),
-    _gpu("a100-40", "NVIDIA A100 40GB", 40, (8, 0), 19.5, 312, 312, 1555, True, link_gbs=150, host_gbs=24),
-    _gpu("a100-80", "NVIDIA A100 80GB", 80, (8, 0), 19.5, 312, 312, 2039, True, link_gbs=150, host_gbs=24),
+    _gpu("a100-40", "NVIDIA A100 40GB", 40, (8, 0), 19.5, 312, 312, 1555, True, link_gbs=150, host_gbs=24,
+         node_gbs=DATACENTER_NODE_GBS["A100"]),
+    _gpu("a100-80", "NVIDIA A100 80GB", 80, (8, 0), 19.5, 312, 312, 2039, True, link_gbs=150, host_gbs=24,
+         node_gbs=DATACENTER_NODE_GBS["A100"]),
     _gpu("l4", "NVIDIA L4", 22, (8, 9), 30.3, 121, 121, 300, True, link_gbs=24, host_gbs=24),
-    _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True, link_gbs=225, host_gbs=48),
-    _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True, link_gbs=225, host_gbs=48),
+    _gpu("h100", "NVIDIA H100 80GB (SXM)", 80, (9, 0), 67, 989, 989, 3350, True, link_gbs=225, host_gbs=48,
+         node_gbs=DATACENTER_NODE_GBS["H100"]),
+    _gpu("h200", "NVIDIA H200", 139, (9, 0), 67, 989, 989, 4800, True, link_gbs=225, host_gbs=48,
+         node_gbs=DATACENTER_NODE_GBS["H100"]),
     DeviceProfile(name="cpu", description="host CPU", memory_bytes=0, compute_capability=None, fp32_flops=CPU_FP32,
                   fp16_flops=0.005 * TERA, bf16_flops=_cpu_bf16_flops(), memory_bandwidth=20e9, tensor_cores=False,
                   op_overhead_s=CPU_OP_OVERHEAD_S, link_bandwidth=CPU_GLOO_BANDWIDTH, host_bandwidth=20e9),
@@ -290,6 +306,15 @@ def profile_for(device: Device, *, memory_bytes: int | None = None) -> DevicePro
                          >= (7, 0), non_pytorch_bytes=CUDA_CONTEXT_BYTES)
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (``None`` where the system does not say): what a run's offloaded bytes,
+    over the ranks it launches here, must fit."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _model_token(profile: DeviceProfile) -> str:
     """The model number in a profile's description: ``1080`` for "NVIDIA GeForce GTX 1080 Ti"."""
     words = re.split(r"[^a-z0-9]+", profile.description.lower())
@@ -300,7 +325,7 @@ def _profile_from_file(path: Path) -> DeviceProfile:
     raw = load_option_file(str(path), flag="--device", section=None)
     fields = {"name", "description", "memory_bytes", "compute_capability", "fp32_flops", "fp16_flops",
               "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "op_overhead_s",
-              "link_bandwidth", "host_bandwidth"}
+              "link_bandwidth", "host_bandwidth", "node_bandwidth"}
     unknown = sorted(set(raw) - fields)
     missing = sorted({"name", "memory_bytes", "fp32_flops"} - set(raw))
     if unknown or missing:
@@ -316,4 +341,5 @@ def _profile_from_file(path: Path) -> DeviceProfile:
         non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)),
         op_overhead_s=float(raw.get("op_overhead_s", GPU_OP_OVERHEAD_S)),
         link_bandwidth=float(raw.get("link_bandwidth", PCIE3_BANDWIDTH)),
-        host_bandwidth=float(raw.get("host_bandwidth", PCIE3_BANDWIDTH)))
+        host_bandwidth=float(raw.get("host_bandwidth", PCIE3_BANDWIDTH)),
+        node_bandwidth=float(raw.get("node_bandwidth", NODE_BANDWIDTH)))

@@ -97,6 +97,13 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_per_node() -> int | None:
+    """Processes on this machine where the launch spans several (``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``),
+    else ``None``."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return local if 0 < local < launched_world_size() else None
+
+
 def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

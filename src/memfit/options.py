@@ -279,6 +279,13 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--gpus", type=int, help="plan one rank of N GPUs (the budget is each one's): also choose "
                                                  "DDP, FSDP or FSDP with CPU offload; the effective batch is global "
                                                  "[1]")
+    budget.add_argument("--gpus-per-node", type=int, metavar="N",
+                        help="GPUs of one machine, where --gpus/--max-gpus fill several: traffic across machines "
+                             "at the profile's node_bandwidth, and FSDP within each machine replicated across "
+                             "them (HSDP) planned too; the command launches on every machine [one machine]")
+    budget.add_argument("--host-memory", metavar="SIZE",
+                        help="host memory of one machine, e.g. 256GiB: setups that offload more than this (over "
+                             "all its GPUs) do not fit [not checked]")
     budget.add_argument("--max-gpus", type=int, metavar="N",
                         help="plan every number of GPUs from 1 to N: the fewest each technique needs (full "
                              "fine-tuning, and LoRA/QLoRA with --allow-lora/--allow-qlora) and the fastest setup "

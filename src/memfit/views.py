@@ -42,7 +42,7 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
         optimizer = family.optimizer_label + (" on the host" if family.offload_optimizer else "") + (
             "" if family.freeze == "none" else f", freeze {family.freeze}") + (
             f", {family.technique_label}" if family.lora_rank else "")
-        ranks = f"{family.strategy}: " if family.ranks else ""
+        ranks = f"{family.strategy_label}: " if family.ranks else ""
         table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
                       family.precision,
                       family.checkpointing + (f", loss/{family.loss_chunk}" if family.loss_chunk else ""), optimizer,
@@ -92,7 +92,8 @@ def print_gpu_count(console: Console, counted: Any) -> None:
     if chosen is not None:
         from memfit.commands import train_command
 
-        console.print(f"train with: {train_command(chosen.plan.to_config())}", soft_wrap=True)
+        command = train_command(chosen.plan.to_config(), chosen.plan.gpus_per_node)
+        console.print(f"train with: {command}", soft_wrap=True)
 
 
 def print_devices(console: Console) -> None:

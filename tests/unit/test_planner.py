@@ -543,12 +543,19 @@ def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() 
     from memfit.devices import resolve_profile
     from memfit.planner.families import strategies
 
+    def names(base: TrainConfig, profile: Any, per_node: int | None = None) -> list[str]:
+        return [f"{strategy}/{group}" if group else strategy for strategy, group in strategies(base, profile, per_node)]
+
     card, cpu = resolve_profile("4090"), resolve_profile("cpu")
-    assert strategies(TrainConfig(distributed="auto", world_size=2), card) == ("ddp", "fsdp", "fsdp-offload")
-    assert strategies(TrainConfig(distributed="auto", world_size=2), cpu) == ("ddp", "fsdp")
-    assert strategies(TrainConfig(distributed="fsdp", world_size=4, shard_group=2), card) == ("fsdp",)
+    assert names(TrainConfig(distributed="auto", world_size=2), card) == ["ddp", "fsdp", "fsdp-offload"]
+    assert names(TrainConfig(distributed="auto", world_size=2), cpu) == ["ddp", "fsdp"]
+    assert names(TrainConfig(distributed="fsdp", world_size=4, shard_group=2), card) == ["fsdp"]
     whole = TrainConfig(distributed="fsdp", world_size=4, shard_group=4)  # one group of every rank: plain FSDP
-    assert strategies(whole, card) == ("fsdp", "fsdp-offload")
+    assert names(whole, card) == ["fsdp", "fsdp-offload"]
+    # GPUs filling two machines: FSDP within each machine, replicated across them (HSDP), planned too
+    assert names(TrainConfig(distributed="auto", world_size=8), card, 4) == ["ddp", "fsdp", "fsdp/4", "fsdp-offload"]
+    assert names(TrainConfig(distributed="auto", world_size=4), card, 4) == ["ddp", "fsdp", "fsdp-offload"]  # one
+    assert names(TrainConfig(distributed="fsdp", world_size=8, shard_group=2), card, 4) == ["fsdp"]  # the run's
     hybrid = TrainConfig(distributed="fsdp", world_size=4, shard_group=2, cpu_offload=True)
     with pytest.raises(ConfigError, match="--cpu-offload with --shard-group is not estimated yet"):
         estimate(hybrid, device=card, seq_len=16)

@@ -52,8 +52,14 @@ Cost model (all of it):
                                                                dtype), one reduce-scatter of fp32 gradients
                offload: fsdp's, plus k·2·params·b/W + trainable·4/W over the host link, and the optimizer
                step on the host (its traffic at host memory speed)
+               machines (``--gpus-per-node G`` < W): a collective over ranks of several machines runs at
+               min(link, node), node = the profile's bandwidth between machines; hsdp (FSDP in groups of G,
+               replicated across the W/G machines, q = (W/G-1)/(W/G)): fsdp's terms over the group at the
+               link, plus 2q·trainable·4/G / (node/G) (each rank's gradient shard all-reduced across the
+               machines, whose network the machine's G ranks share)
     speed    E / t(step) samples/s (E the global batch; with N ranks each computes E/N); fits = peak <=
-             budget·(1 - margin), the peak being one rank's.
+             budget·(1 - margin), the peak being one rank's, and (``--host-memory``) each rank's host peak
+             times the ranks of one machine <= its host memory.
 
 On a card whose fp16 rate equals its fp32 rate (Pascal), fp16 only adds cast ops: it is chosen for memory,
 never for speed. Search: families (precision x checkpointing x optimizer implementation) are traced in the
@@ -72,6 +78,7 @@ ranking depends on their ratio, the memory side does not. QLoRA's dequantisation
 at the card's bandwidth, as bitsandbytes' dequantise-then-matmul path does it; its fused kernels for small
 batches are not modelled, and none of it has been measured on a GPU; nor has the offloaded optimizer's
 step (transfers and the host's update), priced at the profile's host-link and a typical host bandwidth; nor
+communication across machines, whose bandwidths are assumptions (:data:`memfit.devices.NODE_BANDWIDTH`); nor
 the low-memory full fine-tuning terms: offloaded activations priced as two unoverlapped PCIe crossings per
 micro-step, paged 8-bit states as paged in and out once per step, Kahan summation as 10 more bytes of
 traffic per parameter, and the step in backward's per-parameter host read of each gradient's norm (not

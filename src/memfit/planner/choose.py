@@ -14,9 +14,9 @@ from rich.console import Console
 
 from memfit import distributed
 from memfit.build import Prepared
-from memfit.commands import launcher
+from memfit.commands import launch_line
 from memfit.config import DEVICES, PLANNED_LORA_RANK, TrainConfig, runs_sharded
-from memfit.devices import Device, DeviceProfile, profile_for, resolve_profile
+from memfit.devices import Device, DeviceProfile, host_memory_bytes, profile_for, resolve_profile
 from memfit.errors import ConfigError, NothingFits, Problems
 from memfit.memory.depth import parameter_count
 from memfit.memory.estimate import Estimate, prepare_trace
@@ -46,7 +46,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
          image_size: int | None = None, margin: float = 0.05, allow: Allowed = NOTHING,
          lora_rank: int = 16, precisions: tuple[str, ...] | None = None, num_labels: int = 2,
          cache: dict[Any, Estimate] | None = None, gpus: int | None = None, suggest: bool = True,
-         exact_trace: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
+         exact_trace: bool = False, progress: Callable[[str], None] | None = None,
+         gpus_per_node: int | None = None, host_memory: str | int | None = None) -> Plan:
     """The fastest setup of ``config`` (or of ``model``) that fits ``budget`` (default: the device's memory)
     at ``effective_batch``; see the module docstring for the search and its cost model. ``allow``: the opt-ins
     (:class:`~memfit.planner.allowed.Allowed`) tried in their order of fidelity when nothing accuracy-neutral
@@ -57,7 +58,10 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     on CUDA) too, unless ``config.distributed`` names one; the budget is each GPU's. ``suggest=False``: when
     nothing fits, trace only the opt-ins allowed, not what the others would need (a training run, which cannot
     opt in to them; a table of one technique per cell). ``exact_trace``: every setup traced in full rather than
-    shortened and replayed (the same numbers, slower); ``progress(technique)``: told after each trace."""
+    shortened and replayed (the same numbers, slower); ``progress(technique)``: told after each trace.
+    ``gpus_per_node``: the GPUs of one machine, where ``gpus`` fill several (communication across machines at
+    the profile's ``node_bandwidth``; FSDP within each machine and replicated across them, HSDP, planned too);
+    ``host_memory`` (e.g. ``"256GiB"``): one machine's host memory, which what its ranks offload must fit."""
     started = time.perf_counter()
     base = config or TrainConfig()
     allow = allow.union(Allowed.of(base))  # a run's own --allow-* options
@@ -66,16 +70,18 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                                world_size=gpus or base.world_size, device_profile=None).without_opt_ins()
     if base.world_size > 1 and base.distributed == "none":
         base = dataclasses.replace(base, distributed="auto")
-    profile, budget_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
-                                            allow_8bit=allow.eight_bit_optimizer,
-                                            lora_rank=lora_rank if allow.adapters else None)
+    profile, budget_bytes, host_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
+                                                        allow_8bit=allow.eight_bit_optimizer,
+                                                        lora_rank=lora_rank if allow.adapters else None,
+                                                        gpus_per_node=gpus_per_node, host_memory=host_memory)
     inputs = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # errors now
     given = allow.flags
     allow = asked_for(allow, base, precisions)
     spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
-                     num_labels=num_labels, cache=cache, exact_trace=exact_trace, progress=progress)
+                     num_labels=num_labels, cache=cache, exact_trace=exact_trace, progress=progress,
+                     per_node=gpus_per_node, host_memory=host_bytes)
     named = planned_precisions(profile) if precisions else profile.precisions()  # bf16-true: named, or opted in
     chosen_precisions = tuple(sorted((p for p in named if not precisions or p in precisions),
                                      key=lambda p: -profile.flops_for(p)))
@@ -90,14 +96,17 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                            optimizers=("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",),
                            task=inputs.task, spec=spec)
     ranked = rank_candidates(search, chosen, allowed=lambda f: allow.permits(f.opt_ins))
-    verdict = verdict_line(chosen, smallest, [item.line for item in advice], usable, budget_bytes, margin)
+    verdict = verdict_line(chosen, smallest, [item.line for item in advice], usable, budget_bytes, margin,
+                           host=search.host_per_node(chosen.family, chosen.predicted_host_bytes) if chosen else 0,
+                           host_memory=host_bytes)
     length = seq_len or base.max_length
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
                 device=profile.name, device_description=profile.description, model=base.model,
                 effective_batch=base.effective_batch, sequence_length=None if spec.modality == "vision" else length,
                 image_size=(image_size or spec.image_size) if spec.modality == "vision" else None,
                 verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
-                config=base.to_dict(), fixes=[item.fits for item in advice if item.fits is not None], opt_ins=given)
+                config=base.to_dict(), fixes=[item.fits for item in advice if item.fits is not None], opt_ins=given,
+                gpus_per_node=search.per_node, host_memory_bytes=host_bytes)
 
 
 def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisions: tuple[str, ...],
@@ -112,11 +121,12 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
 
     neutral = with_chunked_loss([
         Family(precision=p, checkpointing=c, kernels=default_kernels(base.optimizer, s, profile, kahan=kahan(p)),
-               optimizer=base.optimizer, strategy=s, lora_rank=base.lora_rank, quantize_base=base.quantize_base,
-               kahan=kahan(p), optimizer_in_backward=base.optimizer_in_backward,
+               optimizer=base.optimizer, strategy=s, shard_group=group, lora_rank=base.lora_rank,
+               quantize_base=base.quantize_base, kahan=kahan(p), optimizer_in_backward=base.optimizer_in_backward,
                offload_optimizer=base.offload_optimizer, offload_activations=base.offload_activations,
                packing=base.packing)
-        for s in strategies(base, profile) for p in precisions for c in CHECKPOINTING], base, task)
+        for s, group in strategies(base, profile, search.per_node) for p in precisions for c in CHECKPOINTING],
+        base, task)
     smallest = None
     if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
         smallest = _least_need(search, neutral)
@@ -157,8 +167,9 @@ def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Pla
                           f"is on {prepared.device.describe()}")
         launched, planned_ranks = distributed.launched_world_size(), made.chosen.world_size if made.chosen else 1
         if planned_ranks != launched:
+            launch = launch_line(planned_ranks, made.gpus_per_node)
             raise ConfigError(f"--plan {config.plan} was planned for {planned_ranks} GPU(s) and this run has "
-                              f"{launched} process(es); launch it with {' '.join(launcher(planned_ranks))} train "
+                              f"{launched} process(es); launch it with {launch} train "
                               f"--plan {config.plan}, or plan again with --gpus {launched}")
     else:  # under torchrun rank 0 plans and every rank trains its plan
         made = distributed.decided_once("plan", lambda: _planned_here(prepared, console),
@@ -189,16 +200,18 @@ def _planned_here(prepared: Prepared, console: Console) -> Plan:
 
 def _plan_now(prepared: Prepared, console: Console, *, suggest: bool, cache: dict[Any, Estimate]) -> Plan:
     config = prepared.config
+    here = config.device_profile is None and config.device in DEVICES  # the card this run trains on
     if config.device_profile is not None:
         target = resolve_profile(config.device_profile)
-    else:
-        named = config.device not in DEVICES  # --device 1080ti: plan for that card
-        target = resolve_profile(config.device) if named else profile_for(prepared.device)
+    else:  # --device 1080ti: plan for that card
+        target = profile_for(prepared.device) if here else resolve_profile(config.device)
     if suggest:
         console.print("nothing the run allows fits; tracing what the other opt-ins would need ...")
     return plan(config, device=target, budget=config.budget, seq_len=config.max_length,
                 num_labels=len(prepared.label_names), gpus=config.world_size, suggest=suggest, cache=cache,
-                lora_rank=PLANNED_LORA_RANK, precisions=None if config.precision == "auto" else (config.precision,))
+                lora_rank=PLANNED_LORA_RANK, precisions=None if config.precision == "auto" else (config.precision,),
+                gpus_per_node=distributed.launched_per_node(),
+                host_memory=host_memory_bytes() if here else None)  # what its ranks here offload must fit
 
 
 def rehearsal(planned: TrainConfig, made: Plan, *, device: Device, console: Console) -> TrainConfig:
@@ -229,10 +242,20 @@ def rehearsal(planned: TrainConfig, made: Plan, *, device: Device, console: Cons
 
 
 def _checked_inputs(base: TrainConfig, device: str | DeviceProfile, budget: str | int | None, margin: float, *,
-                    precisions: tuple[str, ...] | None, allow_8bit: bool,
-                    lora_rank: int | None) -> tuple[DeviceProfile, int]:
-    """The device profile and the budget in bytes; every problem of the planning inputs raised at once."""
+                    precisions: tuple[str, ...] | None, allow_8bit: bool, lora_rank: int | None,
+                    gpus_per_node: int | None = None,
+                    host_memory: str | int | None = None) -> tuple[DeviceProfile, int, int | None]:
+    """The device profile, the budget and one machine's host memory in bytes; every problem of the planning
+    inputs raised at once."""
     problems = Problems()
+    host_bytes = None if host_memory is None else problems.collect(
+        lambda: _size(host_memory, option="--host-memory"))
+    if gpus_per_node is not None and gpus_per_node < 1:
+        problems.add(f"--gpus-per-node must be >= 1 (got {gpus_per_node})")
+    elif gpus_per_node is not None and base.world_size > gpus_per_node and base.world_size % gpus_per_node:
+        filled = (base.world_size // gpus_per_node + 1) * gpus_per_node
+        problems.add(f"--gpus {base.world_size} does not fill machines of --gpus-per-node {gpus_per_node}: give a "
+                     f"multiple of {gpus_per_node} (e.g. --gpus {filled})")
     if base.world_size < 1:
         problems.add(f"--gpus must be >= 1 (got {base.world_size})")
     elif base.world_size > base.effective_batch:
@@ -257,16 +280,18 @@ def _checked_inputs(base: TrainConfig, device: str | DeviceProfile, budget: str 
                          "file with fp32_flops (and fp16_flops/bf16_flops) as --device")
     problems.raise_if_any(ConfigError)
     assert profile is not None and budget_bytes is not None
-    return profile, budget_bytes
+    return profile, budget_bytes, host_bytes
+
+
+def _size(size: str | int, *, option: str) -> int:
+    from memfit.units import parse_bytes
+
+    return size if isinstance(size, int) else parse_bytes(size, option=option)
 
 
 def _budget_bytes(budget: str | int | None, profile: DeviceProfile | None) -> int | None:
-    from memfit.units import parse_bytes
-
-    if isinstance(budget, int):
-        return budget
     if budget is not None:
-        return parse_bytes(budget, option="--budget")
+        return _size(budget, option="--budget")
     if profile is None:
         return None
     if profile.kind == "cpu":
@@ -289,9 +314,10 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
         quantized = "nf4" if technique == "qlora" else "none"
         families = with_chunked_loss([
             Family(precision=p, checkpointing=c, kernels=default_kernels(o, s, profile), optimizer=o, strategy=s,
-                   lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
-            for s in strategies(search.base, profile) for o in optimizers if runs_sharded(o) or not s.startswith("fsdp")
-            for p in precisions for c in CHECKPOINTING], search.base, task)
+                   shard_group=group, lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
+            for s, group in strategies(search.base, profile, search.per_node) for o in optimizers
+            if runs_sharded(o) or not s.startswith("fsdp") for p in precisions for c in CHECKPOINTING],
+            search.base, task)
         base_bytes = _base_floor(search, spec, technique, task)
         if base_bytes is not None:
             advice.append(over_by_weights(f"{flag} (r={rank})", "its base weights alone need at least", base_bytes,

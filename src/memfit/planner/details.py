@@ -83,7 +83,7 @@ def plan_details(made: Plan, request: PlanRequest) -> PlanDetails | None:
                        predicted_peak_bytes=sum(breakdown.values()), budget_bytes=made.budget_bytes,
                        usable_bytes=made.usable_bytes, breakdown=breakdown, peak_phase=traced.peak_phase,
                        timeline=traced.timeline, trainer=trainer, trainer_notes=notes, trace=traced.trace,
-                       train_command=train_command(config) if candidate is made.chosen else None)
+                       train_command=train_command(config, made.gpus_per_node) if candidate is made.chosen else None)
 
 
 def _trainer(made: Plan) -> tuple[str | None, list[str]]:

@@ -51,10 +51,18 @@ class Family:
     """Saved activations on the host (one CUDA card): the same step, PCIe traffic in forward and backward."""
     packing: bool = False
     """The run's causal-LM examples packed into full rows (the run's setting, not the plan's choice)."""
+    shard_group: int | None = None
+    """FSDP within groups of this many ranks, replicated across the groups (HSDP: one machine's GPUs each);
+    ``None``: the run's own ``shard_group``."""
 
     @property
     def ranks(self) -> bool:
         return self.strategy != "none"
+
+    @property
+    def strategy_label(self) -> str:
+        """``hsdp (groups of N)`` for FSDP in groups of the plan's choosing, else the strategy."""
+        return f"hsdp (groups of {self.shard_group})" if self.shard_group is not None else self.strategy
 
     @property
     def technique(self) -> str:
@@ -106,7 +114,7 @@ class Family:
             base, micro_batch_size=micro_batch_size, accumulation_steps=None, effective_batch=effective_batch,
             distributed=self.strategy.removesuffix("-offload"), cpu_offload=self.strategy == "fsdp-offload",
             world_size=base.world_size if self.ranks else 1,
-            shard_group=base.shard_group if self.strategy.startswith("fsdp") else None,
+            shard_group=(self.shard_group or base.shard_group) if self.strategy.startswith("fsdp") else None,
             precision=self.precision, checkpointing="every-n" if self.checkpointing == "every-2" else
             self.checkpointing, checkpoint_every=2, foreach={"foreach": True, "loop": False}.get(self.kernels),
             fused=self.kernels == "fused" and self.optimizer == "adamw", optimizer=self.optimizer,
@@ -143,6 +151,8 @@ class Candidate:
     """Parameters the setup trains (adapters only, with LoRA), from its trace; 0 when not traced."""
     parameters: int = 0
     """All parameters of the model (frozen and quantized ones too), from its trace."""
+    predicted_host_bytes: int = 0
+    """Host memory one rank holds at its peak: offloaded optimizer state, shards or activations."""
 
     @property
     def global_batch(self) -> int:
@@ -154,7 +164,8 @@ class Candidate:
                 "precision": self.family.precision, "checkpointing": self.family.checkpointing,
                 "optimizer": self.family.optimizer_label, "kernels": self.family.kernels,
                 "freeze": self.family.freeze, "accuracy_neutral": self.family.accuracy_neutral,
-                "distributed": self.family.strategy, "world_size": self.world_size,
+                "distributed": self.family.strategy, "shard_group": self.family.shard_group,
+                "world_size": self.world_size,
                 "lora_rank": self.family.lora_rank, "quantize_base": self.family.quantize_base,
                 "offload_optimizer": self.family.offload_optimizer, "loss_chunk": self.family.loss_chunk,
                 "weights_precision": "bf16" if self.family.precision == "bf16-true" else "fp32",
@@ -167,11 +178,12 @@ class Candidate:
                 "predicted_optimizer_steps_per_second": self.predicted_samples_per_second / self.global_batch,
                 "relative_speed": self.relative_speed, "exact": self.exact, "fits": self.fits,
                 "reason": self.reason, "technique": self.family.technique, "opt_ins": list(self.family.opt_ins),
-                "trainable_parameters": self.trainable_parameters, "parameters": self.parameters}
+                "trainable_parameters": self.trainable_parameters, "parameters": self.parameters,
+                "predicted_host_bytes": self.predicted_host_bytes}
 
     def describe(self) -> str:
         freeze = "" if self.family.freeze == "none" else f", freeze {self.family.freeze}"
-        ranks = f"{self.family.strategy}, " if self.family.ranks else ""
+        ranks = f"{self.family.strategy_label}, " if self.family.ranks else ""
         per_rank = " per rank" if self.family.ranks else ""
         adapters = f", {self.family.technique_label}" if self.family.lora_rank else ""
         host = " on the host" if self.family.offload_optimizer else ""
@@ -212,20 +224,25 @@ def leaner_kernels(family: Family) -> list[str]:
     return [kernels for kernels in options if kernels != family.kernels]
 
 
-def strategies(base: TrainConfig, profile: DeviceProfile) -> tuple[str, ...]:
-    """What a plan for ``base.world_size`` ranks may choose from: replicate first, then shard, then offload
-    (CUDA only; on CPU the shards already live in host memory; not with HSDP's shard groups, whose offload the
-    estimate does not emulate). An 8-bit optimizer replicates: its step does not run on FSDP's sharded
-    parameters."""
+def strategies(base: TrainConfig, profile: DeviceProfile,
+               per_node: int | None = None) -> tuple[tuple[str, int | None], ...]:
+    """What a plan for ``base.world_size`` ranks may choose from, as (strategy, shard group): replicate first,
+    then shard, then shard within each machine's GPUs and replicate across machines (HSDP, where ``per_node``
+    GPUs fill several machines and the run names no shard group: only gradients cross the network), then
+    offload (CUDA only; on CPU the shards already live in host memory; not with HSDP's shard groups, whose
+    offload the estimate does not emulate). An 8-bit optimizer replicates: its step does not run on FSDP's
+    sharded parameters."""
     if base.world_size == 1:
-        return ("none",)
-    if not runs_sharded(base.optimizer):
-        return ("ddp",)
+        return (("none", None),)
+    if not runs_sharded(base.optimizer) or base.distributed == "ddp":
+        return (("ddp", None),)
     from memfit.distributed import hybrid
 
-    offload = ("fsdp-offload",) if profile.kind == "cuda" and not hybrid(base.world_size, base.shard_group) else ()
-    if base.distributed == "ddp":
-        return ("ddp",)
-    if base.distributed == "fsdp":
-        return ("fsdp-offload",) if base.cpu_offload and profile.kind == "cuda" else ("fsdp", *offload)
-    return ("ddp", "fsdp", *offload)
+    offload = (("fsdp-offload", None),) if profile.kind == "cuda" and not hybrid(base.world_size, base.shard_group) \
+        else ()
+    machines = (("fsdp", per_node),) if per_node is not None and per_node < base.world_size and \
+        base.shard_group is None else ()
+    if base.distributed == "fsdp" and base.cpu_offload and profile.kind == "cuda":
+        return (("fsdp-offload", None),)
+    sharded = (("fsdp", None), *machines, *offload)
+    return sharded if base.distributed == "fsdp" else (("ddp", None), *sharded)

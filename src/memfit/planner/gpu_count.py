@@ -8,7 +8,10 @@ plan traces the real step of one rank (a fake process group of that many ranks);
 
 The answer is the fewest GPUs each technique needs, and a chosen setup: the most faithful technique that fits
 (full fine-tuning, then LoRA, then QLoRA) on the fewest GPUs it needs, with the ``torchrun`` command that
-trains it. A count above the effective batch is not planned (every GPU needs a sample of each step).
+trains it. A count above the effective batch is not planned (every GPU needs a sample of each step). With
+``--gpus-per-node G``, counts above G are whole machines (2G, 3G, ...), planned with HSDP too and their
+traffic across machines priced at the profile's ``node_bandwidth``; with ``--host-memory``, a setup whose
+machine would hold more offloaded bytes than that does not fit.
 """
 
 from __future__ import annotations
@@ -54,10 +57,11 @@ class Cell:
 
     def to_dict(self) -> dict[str, Any]:
         chosen = self.plan.chosen
+        command = train_command(self.plan.to_config(), self.plan.gpus_per_node) if chosen is not None else None
         return {"technique": self.technique, "gpus": self.gpus, "fits": self.fits,
                 "chosen": chosen.to_dict() if chosen is not None else None,
                 "setup": chosen.describe() if chosen is not None else None, "least_bytes": self.least_bytes,
-                "command": train_command(self.plan.to_config()) if chosen is not None else None,
+                "command": command,
                 "verdict": self.plan.verdict}
 
 
@@ -128,7 +132,9 @@ def plan_gpu_count(request: PlanRequest, max_gpus: int, *, progress: Callable[[s
     if request.gpus is not None:
         raise ConfigError("--gpus plans one number of GPUs and --max-gpus every number up to it; give one of them")
     effective = request.config().effective_batch
-    counts = range(1, min(max_gpus, effective) + 1)
+    per_node = request.gpus_per_node
+    counts = [gpus for gpus in range(1, min(max_gpus, effective) + 1)  # whole machines beyond one
+              if per_node is None or gpus <= per_node or gpus % per_node == 0]
     shared: dict[Any, Estimate] = {} if cache is None else cache
     profile = resolve_profile(request.device)
     rank = request.lora_rank or PLANNED_LORA_RANK

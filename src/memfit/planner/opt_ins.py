@@ -82,12 +82,12 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
     def eight_bit(family: Family, optimizer: str = "adamw8bit") -> Family | None:
         if family.offload_optimizer or (optimizer.startswith("paged") and profile.kind != "cuda"):
             return None
-        strategy = family.strategy
+        strategy, group = family.strategy, family.shard_group
         if strategy.startswith("fsdp") and not runs_sharded(optimizer):  # replicated instead
             if search.base.distributed == "fsdp":
                 return None
-            strategy = "ddp"
-        return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy,
+            strategy, group = "ddp", None
+        return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy, shard_group=group,
                                    kernels=default_kernels(optimizer, strategy, profile))
 
     def paged(family: Family) -> Family | None:

@@ -57,6 +57,10 @@ class Plan:
     """When nothing allowed fits: the opt-in flag sets under which a setup would, least change first."""
     opt_ins: tuple[str, ...] = ()
     """The ``--allow-*`` flags the plan was made with."""
+    gpus_per_node: int | None = None
+    """GPUs per machine where the plan's GPUs fill several (``None``: one machine)."""
+    host_memory_bytes: int | None = None
+    """One machine's host memory the plan checked offloaded bytes against (``None``: not checked)."""
 
     @property
     def allowed_by(self) -> tuple[str, ...]:
@@ -71,7 +75,8 @@ class Plan:
                 "effective_batch": self.effective_batch, "sequence_length": self.sequence_length,
                 "image_size": self.image_size, "verdict": self.verdict, "traces": self.traces,
                 "seconds": self.seconds, "config": self.config, "fixes": [list(flags) for flags in self.fixes],
-                "opt_ins": list(self.opt_ins)}
+                "opt_ins": list(self.opt_ins), "gpus_per_node": self.gpus_per_node,
+                "host_memory_bytes": self.host_memory_bytes}
 
     def summary(self) -> dict[str, Any]:
         """The chosen setup as planned, the budget and the verdict (what a run's summary keeps)."""
@@ -174,7 +179,8 @@ def plan_from_dict(raw: dict[str, Any]) -> Plan:
                                                  "device_description", "model", "effective_batch",
                                                  "sequence_length", "image_size", "verdict", "traces",
                                                  "seconds", "config")},
-                fixes=[tuple(flags) for flags in raw.get("fixes", [])], opt_ins=tuple(raw.get("opt_ins", [])))
+                fixes=[tuple(flags) for flags in raw.get("fixes", [])], opt_ins=tuple(raw.get("opt_ins", [])),
+                gpus_per_node=raw.get("gpus_per_node"), host_memory_bytes=raw.get("host_memory_bytes"))
 
 
 def _candidate(raw: dict[str, Any]) -> Candidate:
@@ -184,7 +190,8 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
                      label.split("-")[0])
     family = Family(precision=raw["precision"], checkpointing=raw["checkpointing"], kernels=kernels,
                     freeze=raw["freeze"], optimizer=optimizer,
-                    strategy=raw.get("distributed", "none"), lora_rank=raw.get("lora_rank", 0),
+                    strategy=raw.get("distributed", "none"), shard_group=raw.get("shard_group"),
+                    lora_rank=raw.get("lora_rank", 0),
                     quantize_base=raw.get("quantize_base", "none"),
                     offload_optimizer=raw.get("offload_optimizer", False), loss_chunk=raw.get("loss_chunk"),
                     kahan=raw.get("kahan", False), optimizer_in_backward=raw.get("optimizer_in_backward", False),
@@ -196,7 +203,7 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
                      predicted_samples_per_second=raw["predicted_samples_per_second"], exact=raw["exact"],
                      fits=raw["fits"], reason=raw["reason"], relative_speed=raw["relative_speed"],
                      world_size=raw.get("world_size", 1), trainable_parameters=raw.get("trainable_parameters", 0),
-                     parameters=raw.get("parameters", 0))
+                     parameters=raw.get("parameters", 0), predicted_host_bytes=raw.get("predicted_host_bytes", 0))
 
 
 def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callable[[Family], bool]) -> list[Candidate]:
@@ -217,6 +224,10 @@ def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callab
             candidate.reason = "runner-up"
         elif candidate.fits:
             candidate.reason = "fits, slower"
+        elif (candidate.predicted_peak_bytes or 0) <= search.usable:  # the card holds it, the host does not
+            host = search.host_per_node(candidate.family, candidate.predicted_host_bytes)
+            candidate.reason = (f"host: needs {format_bytes(host)} per machine, over "
+                                f"{format_bytes(search.host_memory or 0)}")
         else:
             candidate.reason = f"over {format_bytes(search.usable)} usable"
     pruned = []
@@ -243,15 +254,19 @@ def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callab
 
 
 def verdict_line(chosen: Candidate | None, smallest: Candidate | None, advice: list[str], usable: int,
-             budget: int, margin: float) -> str:
+                 budget: int, margin: float, *, host: int = 0, host_memory: int | None = None) -> str:
+    """``host``: the host memory one machine holds for ``chosen`` (stated where it offloads; ``host_memory``:
+    what it was checked against)."""
     where = f"{format_bytes(budget)} ({format_bytes(usable)} usable with the {margin:.0%} margin)"
     if chosen is not None:
         why = ""
         if smallest is not None:  # an opt-in was needed: what the more faithful setups needed
             why = " (" + "; ".join([f"full fine-tuning needs at least "
                                     f"{format_bytes(smallest.predicted_peak_bytes or 0)}", *advice]) + ")"
-        return (f"{chosen.describe()} fits {where}: needs {format_bytes(chosen.predicted_peak_bytes or 0)}, "
-                f"predicted {chosen.predicted_samples_per_second:.1f} samples/s{why}")
+        held = f" of {format_bytes(host_memory)}" if host_memory is not None else ""
+        on_host = f" and {format_bytes(host)}{held} host memory per machine" if host else ""
+        return (f"{chosen.describe()} fits {where}: needs {format_bytes(chosen.predicted_peak_bytes or 0)}"
+                f"{on_host}, predicted {chosen.predicted_samples_per_second:.1f} samples/s{why}")
     assert smallest is not None
     return "; ".join([f"nothing fits {where}: the smallest any allowed setup needs is "
                       f"{format_bytes(smallest.predicted_peak_bytes or 0)} ({smallest.describe()})", *advice])

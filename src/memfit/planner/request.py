@@ -48,6 +48,10 @@ class PlanRequest:
     """Memory to fit, e.g. ``11GiB`` (default: the device's)."""
     margin: float = DEFAULT_MARGIN
     gpus: int | None = None
+    gpus_per_node: int | None = None
+    """GPUs of one machine, where ``gpus`` fill several (``None``: one machine)."""
+    host_memory: str | None = None
+    """One machine's host memory, e.g. ``256GiB``: what its ranks offload must fit (``None``: not checked)."""
     distributed: str | None = None
     precision: str = "auto"
     optimizer: str | None = None
@@ -74,7 +78,8 @@ class PlanRequest:
         return plan(self.config(), device=self.device, budget=self.budget, seq_len=self.seq_len,
                     image_size=self.image_size, margin=self.margin, allow=self.allow, lora_rank=self.lora_rank,
                     precisions=None if self.precision == "auto" else (self.precision,), num_labels=self.num_labels,
-                    gpus=self.gpus, exact_trace=self.exact_trace, cache=cache, progress=progress, suggest=suggest)
+                    gpus=self.gpus, exact_trace=self.exact_trace, cache=cache, progress=progress, suggest=suggest,
+                    gpus_per_node=self.gpus_per_node, host_memory=self.host_memory)
 
     @classmethod
     def from_query(cls, query: Mapping[str, str], *, served: bool = False) -> PlanRequest:
@@ -169,7 +174,8 @@ def _switch(text: str, *, key: str) -> bool:
 QUERY_CONVERTERS: dict[str, Callable[..., Any]] = {
     "model": _text, "task": _choice(TASKS), "seq_len": _whole, "image_size": _whole, "effective_batch": _whole,
     "num_labels": _whole, "max_target_length": _whole, "device": _text, "budget": _text, "margin": _margin,
-    "gpus": _whole, "distributed": _choice(DISTRIBUTED_CHOICES), "precision": _choice(PRECISIONS),
+    "gpus": _whole, "gpus_per_node": _whole, "host_memory": _text,
+    "distributed": _choice(DISTRIBUTED_CHOICES), "precision": _choice(PRECISIONS),
     "optimizer": _choice(OPTIMIZER_CHOICES), "lora_rank": _whole, "exact_trace": _switch}
 """How each input of a query string becomes its field (every field but ``allow`` and ``options``)."""
 QUERY_KEYS = (*(name.replace("_", "-") for name in QUERY_CONVERTERS), *(flag.removeprefix("--")

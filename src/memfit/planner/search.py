@@ -53,12 +53,24 @@ class _Line:
         allocated = int(phases[phase])
         return int(allocated + reserve) + self.low.non_pytorch_bytes, allocated, phase
 
+    def host_at(self, micro: int) -> int:
+        """Host bytes at ``micro`` (offloaded activations grow with it; shards and states do not)."""
+        if self.high is None:
+            return self.low.host_bytes
+        slope = (self.high.host_bytes - self.low.host_bytes) / (self.high.micro_batch_size - self.low.micro_batch_size)
+        return max(0, int(self.low.host_bytes + slope * (micro - self.low.micro_batch_size)))
+
 
 class Search:
     def __init__(self, base: TrainConfig, profile: DeviceProfile, *, usable_bytes: int, seq_len: int | None,
                  image_size: int | None, num_labels: int, cache: dict[Any, Estimate] | None = None,
-                 exact_trace: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 exact_trace: bool = False, progress: Callable[[str], None] | None = None,
+                 per_node: int | None = None, host_memory: int | None = None) -> None:
         self.base, self.profile, self.usable = base, profile, usable_bytes
+        self.per_node = per_node if per_node is not None and per_node < base.world_size else None
+        """GPUs per machine where the plan's fill several (``None``: all on one)."""
+        self.host_memory = host_memory
+        """Host memory of one machine a setup's offloaded bytes must fit (``None``: not checked)."""
         self.exact_trace = exact_trace
         """Trace every step in full (``--exact-trace``) rather than a shortened trace replayed at full length."""
         self.progress = progress
@@ -197,23 +209,23 @@ class Search:
         full, lean = (family, micro, steps > 1, False), (family, micro, steps > 1, steps > 1)
         if full in self.traces or lean in self.traces:
             trace = self.traces.get(full) or self.traces[lean]
-            peak, allocated, phase = trace.total_bytes, trace.peak_bytes, trace.peak_phase
+            peak, allocated, phase, host = trace.total_bytes, trace.peak_bytes, trace.peak_phase, trace.host_bytes
             exact = full in self.traces
         else:
             trace = self.lines[family].low
             (peak, allocated, phase), exact = self.lines[family].at(micro), False
+            host = self.lines[family].host_at(micro)
         if steps > 1:  # traced with a window of 2 micro-batches: the rest of the window's inputs
             extra = int(trace.breakdown["inputs"] / (2 * trace.micro_batch_size) * (self.effective - 2 * micro))
             peak, allocated = peak + extra, allocated + extra
         seconds = step_seconds(self.costs[family], self.profile, family.precision,
-                               effective_batch=self.effective, accumulation_steps=steps, strategy=family.strategy,
-                               world_size=self.world_size, offload=family.offload_optimizer, kahan=family.kahan,
-                               paged=family.paged)
+                               effective_batch=self.effective, accumulation_steps=steps, **self._ranks_of(family))
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
-                              fits=peak <= self.usable, world_size=self.ranks(family),
-                              trainable_parameters=trace.trainable_parameters, parameters=trace.parameters)
+                              fits=peak <= self.usable and self.host_fits(family, host), world_size=self.ranks(family),
+                              trainable_parameters=trace.trainable_parameters, parameters=trace.parameters,
+                              predicted_host_bytes=host)
         self.candidates[(family, micro)] = candidate
         return candidate
 
@@ -252,8 +264,21 @@ class Search:
         bound = StepCost(flops_per_sample=flops, ops_per_micro_step=ops, ops_per_optimizer_step=step_ops,
                          trainable_parameters=trainable, parameters=parameters)
         return step_seconds(bound, self.profile, family.precision, effective_batch=self.effective,
-                            accumulation_steps=1, strategy=family.strategy, world_size=self.world_size,
-                            offload=family.offload_optimizer, kahan=family.kahan, paged=family.paged)
+                            accumulation_steps=1, **self._ranks_of(family))
+
+    def _ranks_of(self, family: Family) -> dict[str, Any]:
+        """The cost model's inputs for ``family``'s ranks and where its optimizer step runs."""
+        return {"strategy": family.strategy, "world_size": self.world_size, "offload": family.offload_optimizer,
+                "kahan": family.kahan, "paged": family.paged, "per_node": self.per_node,
+                "shard_group": family.shard_group or self.base.shard_group}
+
+    def host_per_node(self, family: Family, host_bytes: int) -> int:
+        """Host bytes one machine holds for ``family``: each of its ranks' (``host_bytes`` per rank)."""
+        return host_bytes * min(self.ranks(family), self.per_node or self.ranks(family))
+
+    def host_fits(self, family: Family, host_bytes: int) -> bool:
+        """Whether one machine's host memory holds what ``family`` keeps there (always, unchecked)."""
+        return self.host_memory is None or self.host_per_node(family, host_bytes) <= self.host_memory
 
     def best(self, *, confirmed: bool, where: Callable[[Family], bool] | None = None) -> Candidate | None:
         """The fastest fitting setup (``confirmed``: traced exactly; ``where``: of the families it accepts)."""

@@ -51,11 +51,14 @@ class StepCost:
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
                  accumulation_steps: int, strategy: str = "none", world_size: int = 1,
-                 offload: bool = False, kahan: bool = False, paged: bool = False) -> float:
+                 offload: bool = False, kahan: bool = False, paged: bool = False, shard_group: int | None = None,
+                 per_node: int | None = None) -> float:
     """The cost model's time of one optimizer step of one rank (see the module docstring);
     ``effective_batch`` is the samples this rank computes; ``offload``: the optimizer's step on the host;
     ``kahan``: bf16 weights' compensated update; ``paged``: 8-bit states paged through the host (taken as
-    paged in and out once per step: the card is short, or the plan would not need them paged)."""
+    paged in and out once per step: the card is short, or the plan would not need them paged);
+    ``shard_group``: FSDP shards within groups of this many ranks (HSDP); ``per_node``: ranks per machine
+    (``None``: all on one)."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
     step_bytes = BYTES_PER_TRAINED_PARAMETER // 2 if precision == "bf16-true" else BYTES_PER_TRAINED_PARAMETER
@@ -71,15 +74,33 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
     traffic += accumulation_steps * 2 * cost.offloaded_bytes_per_micro_step / profile.host_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
-    share = (world_size - 1) / world_size
     gradients = 4 * cost.trainable_parameters
     if strategy == "ddp":
-        return compute + overhead + traffic + 2 * share * gradients / profile.link_bandwidth
+        return compute + overhead + traffic + 2 * _share(world_size) * gradients / _bus(profile, world_size, per_node)
     gathered = 2 * accumulation_steps * cost.parameters * (4 if precision == "fp32" else 2)
-    communication = share * (gathered + gradients) / profile.link_bandwidth
-    traffic /= world_size  # each rank steps its shard
+    group = shard_group if shard_group is not None and shard_group < world_size else world_size
+    communication = _share(group) * (gathered + gradients) / _bus(profile, group, per_node)
+    if group < world_size:  # HSDP: each rank's gradient shard all-reduced across the groups too
+        replicas = world_size // group
+        across = profile.link_bandwidth if per_node is None or per_node >= world_size else \
+            min(profile.link_bandwidth, profile.node_bandwidth / min(group, per_node))  # a machine's ranks share it
+        communication += 2 * _share(replicas) * gradients / group / across
+    traffic /= group  # each rank steps its shard
     if strategy == "fsdp-offload":
-        host = (gathered + gradients) / world_size / profile.host_bandwidth
+        host = (gathered + gradients) / group / profile.host_bandwidth
         traffic = traffic * profile.memory_bandwidth / HOST_MEMORY_BANDWIDTH
         communication += host
     return compute + overhead + traffic + communication
+
+
+def _share(ranks: int) -> float:
+    """What a ring collective over ``ranks`` moves per byte of its input: (n - 1) / n."""
+    return (ranks - 1) / ranks
+
+
+def _bus(profile: DeviceProfile, ranks: int, per_node: int | None) -> float:
+    """The bus bandwidth of a collective over ``ranks`` consecutive ranks, ``per_node`` to a machine: the cards'
+    link inside one machine, the lower of it and the network's across machines."""
+    if per_node is None or ranks <= per_node:
+        return profile.link_bandwidth
+    return min(profile.link_bandwidth, profile.node_bandwidth)

@@ -1,0 +1,149 @@
+"""Plans whose GPUs fill several machines (``--gpus-per-node``) and whose offloaded bytes must fit each
+machine's host memory (``--host-memory``): the cost model by hand, the launch command, the search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfit.cli import config_from_args, main
+from memfit.commands import launch_line, train_command
+from memfit.config import TrainConfig
+from memfit.devices import resolve_profile
+from memfit.errors import ConfigError
+from memfit.memory.estimate import estimate
+from memfit.options import build_parser
+from memfit.planner import plan
+from memfit.planner.speed import EFFICIENCY, StepCost, step_seconds
+from memfit.report import format_bytes
+from tests.conftest import write_model_dir
+
+PARAMETER_BERT: dict[str, Any] = {
+    "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 30522, "hidden_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+}  # parameters, gradients and AdamW state dominate
+COST = StepCost(flops_per_sample=1e9, ops_per_micro_step=0, ops_per_optimizer_step=0, trainable_parameters=10**6,
+                parameters=10**6)
+
+
+def _compute_and_update(profile: Any, world: int) -> float:
+    """A step's time without its communication: FLOPs of 8 samples, and the AdamW update of the rank's share."""
+    return 8 * 1e9 / (profile.fp32_flops * EFFICIENCY) + 10**6 * 32 / profile.memory_bandwidth / world
+
+
+def test_traffic_that_crosses_machines_runs_at_the_network_bandwidth() -> None:
+    card = dataclasses.replace(resolve_profile("a100-80"), link_bandwidth=100e9, node_bandwidth=10e9)
+    gradients, gathered = 4e6, 2 * 4e6  # fp32 gradients; one window's gathers in forward and backward
+
+    def seconds(strategy: str, **machines: Any) -> float:
+        return step_seconds(COST, card, "fp32", effective_batch=8, accumulation_steps=1, strategy=strategy,
+                            world_size=8, **machines)
+
+    one_machine = _compute_and_update(card, 1) + 2 * 7 / 8 * gradients / 100e9
+    assert seconds("ddp") == pytest.approx(one_machine)
+    assert seconds("ddp", per_node=4) == pytest.approx(one_machine - 2 * 7 / 8 * gradients * (1 / 100e9 - 1 / 10e9))
+    flat = _compute_and_update(card, 8) + 7 / 8 * (gathered + gradients) / 10e9  # every gather crosses
+    assert seconds("fsdp", per_node=4) == pytest.approx(flat)
+    # HSDP: gathers and reduce-scatters inside a machine, each rank's gradient shard all-reduced across the two
+    # machines, whose network the machine's four ranks share
+    hybrid = _compute_and_update(card, 4) + 3 / 4 * (gathered + gradients) / 100e9 \
+        + 2 * 1 / 2 * (gradients / 4) / (10e9 / 4)
+    assert seconds("fsdp", per_node=4, shard_group=4) == pytest.approx(hybrid)
+    assert seconds("fsdp", per_node=4, shard_group=4) < seconds("fsdp", per_node=4)
+
+
+def test_a_launch_over_several_machines_is_one_command_run_on_each() -> None:
+    assert launch_line(8, 4) == ('torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d '
+                                 '"--rdzv-endpoint=${MASTER_ADDR}:29500" --rdzv-id=memfit -m memfit')
+    assert launch_line(4, 4) == launch_line(4) == "torchrun --nproc-per-node=4 -m memfit"  # one machine
+    assert launch_line(1, 4) == "memfit"
+    config = TrainConfig(model="bert-base", distributed="fsdp", world_size=8, shard_group=4, effective_batch=16)
+    words = shlex.split(train_command(config, 4))
+    assert words[:7] == ["torchrun", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
+                         "--rdzv-endpoint=${MASTER_ADDR}:29500", "--rdzv-id=memfit", "-m"]  # the shell expands it
+    parsed = config_from_args(build_parser().parse_args(words[words.index("train"):]))
+    assert parsed.to_dict() == {**config.to_dict(), "world_size": 1}  # torchrun's launch sets it
+
+
+@pytest.mark.slow
+def test_across_a_slow_network_the_plan_shards_within_each_machine(tmp_path: Path) -> None:
+    """Four ranks on two machines whose network is a thousand times slower than the link inside each: DDP
+    all-reduces every gradient across it, FSDP gathers every weight across it; HSDP sends only each rank's
+    gradient shard, so it is chosen. On one machine, with nothing to gather, DDP is."""
+    model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
+    slow = dataclasses.replace(resolve_profile("cpu"), node_bandwidth=resolve_profile("cpu").link_bandwidth / 1000)
+    base = TrainConfig(model=model, max_length=32, effective_batch=4)
+    traces: dict[Any, Any] = {}
+    one = plan(base, device=slow, budget="64MiB", seq_len=32, gpus=4, precisions=("fp32",), cache=traces)
+    assert one.chosen is not None and one.chosen.family.strategy == "ddp", one.verdict
+    two = plan(base, device=slow, budget="64MiB", seq_len=32, gpus=4, precisions=("fp32",), cache=traces,
+               gpus_per_node=2)
+    assert two.chosen is not None and two.chosen.family.shard_group == 2, two.verdict
+    assert two.chosen.describe().startswith("hsdp (groups of 2), micro-batch 1 x 1 per rank")
+    config = two.to_config()
+    assert (config.distributed, config.world_size, config.shard_group) == ("fsdp", 4, 2)
+    assert estimate(config, device=slow, seq_len=32).total_bytes == two.chosen.predicted_peak_bytes
+    assert plan_from_json(two).gpus_per_node == 2
+    ddp = next(c for c in two.candidates if c.family.strategy == "ddp" and c.exact)
+    assert ddp.fits and ddp.predicted_samples_per_second < two.chosen.predicted_samples_per_second
+
+
+def plan_from_json(made: Any) -> Any:
+    from memfit.planner.report import plan_from_dict
+
+    return plan_from_dict(json.loads(json.dumps(made.to_dict())))
+
+
+@pytest.mark.slow
+def test_what_the_ranks_of_a_machine_offload_must_fit_its_host_memory(tmp_path: Path) -> None:
+    """FSDP with CPU offload on two cards: each rank keeps its shards and optimizer state on the host, so one
+    machine holding both ranks needs twice one rank's host bytes; two machines of one GPU need one rank's."""
+    model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
+    base = TrainConfig(model=model, max_length=32, effective_batch=2, distributed="fsdp", cpu_offload=True)
+    traces: dict[Any, Any] = {}
+
+    def planned(**options: Any) -> Any:
+        return plan(base, device="a100-80", budget="2GiB", seq_len=32, gpus=2, precisions=("fp32",),
+                    cache=traces, **options)
+
+    unchecked = planned()
+    chosen = unchecked.chosen
+    assert chosen is not None and chosen.family.strategy == "fsdp-offload" and chosen.exact
+    per_rank = chosen.predicted_host_bytes
+    assert per_rank == estimate(unchecked.to_config(), device="a100-80", seq_len=32).host_bytes > 0
+    assert f"and {format_bytes(2 * per_rank)} host memory per machine" in unchecked.verdict
+    exactly = planned(host_memory=2 * per_rank)
+    assert exactly.chosen is not None and exactly.chosen.family == chosen.family
+    assert f"{format_bytes(2 * per_rank)} of {format_bytes(2 * per_rank)} host memory" in exactly.verdict
+    short = planned(host_memory=2 * per_rank - 1)
+    assert short.chosen is None, short.verdict
+    held = [c for c in short.candidates if c.exact and c.family.opt_in is None and c.predicted_peak_bytes is not None
+            and c.predicted_peak_bytes <= short.usable_bytes]  # the card holds them, the host does not
+    assert held and all(c.reason == f"host: needs {format_bytes(2 * c.predicted_host_bytes)} per machine, over "
+                                    f"{format_bytes(2 * per_rank - 1)}" for c in held), [c.reason for c in held]
+    apart = planned(host_memory=per_rank, gpus_per_node=1)  # one rank per machine
+    assert apart.chosen is not None and apart.chosen.family == chosen.family
+
+
+def test_machines_and_host_memory_that_cannot_be_planned_are_one_line_each(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
+    common = ["plan", "--model", model, "--device", "cpu", "--budget", "64MiB", "--seq-len", "16",
+              "--effective-batch", "8"]
+    cases = {("--gpus", "6", "--gpus-per-node", "4"): "--gpus 6 does not fill machines of --gpus-per-node 4: give "
+                                                       "a multiple of 4 (e.g. --gpus 8)",
+             ("--gpus", "2", "--gpus-per-node", "0"): "--gpus-per-node must be >= 1 (got 0)",
+             ("--gpus", "2", "--host-memory", "lots"): "--host-memory 'lots' is not a memory size"}
+    for options, message in cases.items():
+        assert main([*common, *options]) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.out == "" and "Traceback" not in captured.err
+        assert len(captured.err.strip().splitlines()) == 1, captured.err
+    with pytest.raises(ConfigError, match="--gpus 6 does not fill machines"):
+        plan(TrainConfig(model=model, effective_batch=8), device="cpu", budget="64MiB", gpus=6, gpus_per_node=4)
