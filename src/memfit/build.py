@@ -8,6 +8,7 @@ step that really runs.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -248,10 +249,12 @@ def _head_problems(config: TrainConfig, spec: ModelSpec, examples: datasets.Exam
     return problems
 
 
-def build_model_for(prepared: Prepared) -> nn.Module:
-    """The model of a prepared run, with its techniques applied."""
+def build_model_for(prepared: Prepared, *, weights: bool = True) -> nn.Module:
+    """The model of a prepared run, with its techniques applied; ``weights=False``: its structure alone, from
+    the config (the same modules; what :mod:`memfit.rank0_load` builds on the meta device)."""
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
-    return build_with_techniques(prepared.spec, prepared.config, label_names=prepared.label_names,
+    spec = prepared.spec if weights else dataclasses.replace(prepared.spec, weights_dir=None)
+    return build_with_techniques(spec, prepared.config, label_names=prepared.label_names,
                                  pad_token_id=pad, task=prepared.task, low_dtype=prepared.precision.low_dtype,
                                  weights_dtype=prepared.precision.weights_dtype)
 

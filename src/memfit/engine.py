@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from memfit import checkpointer, checkpoints, distributed
+from memfit import checkpointer, checkpoints, distributed, rank0_load
 from memfit.build import Prepared, build_base_for, build_model_for, build_optimizer_for
 from memfit.config import TrainConfig
 from memfit.data.batches import window_order
@@ -208,15 +208,18 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
     config = prepared.config
     total_steps = min(config.max_steps or sys.maxsize,
                       config.epochs * math.ceil(prepared.num_train_samples / config.effective_batch))
+    once = rank0_load.loads_once(config, world.strategy, world.world_size)  # FSDP: rank 0 reads the weights
     with model_support(prepared.spec.hf_config):  # an architecture memfit cannot build: one line
-        model: nn.Module = build_model_for(prepared)  # freeze -> checkpointing (-> sharding, below)
+        model: nn.Module = rank0_load.build(lambda weights: build_model_for(prepared, weights=weights),
+                                            main=world.is_main or not once)
+    built = rank0_load.materialised_bytes(model)  # freeze -> checkpointing (-> sharding, below)
     trainable, total = count_parameters(model)
     architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later
     if resumed is not None:  # a checkpoint of another model is refused before anything changes
         checkpoints.check_architecture(resumed, model, config.model)
         checkpointer.check_optimizer_setup(resumed, config)
     checkpointer.prepare_run_dir(output_dir, resumed, plan, world)
-    model = place_model(model, resumed, world, prepared, device, monitor, total)
+    model = place_model(model, resumed, world, prepared, device, monitor, total, once=once)
     inner = distributed.unwrap(model)
     optimizer = build_optimizer_for(inner, config)  # last: sees only the trainable parameters
     scaler = prepared.precision.make_scaler(init_scale=config.init_scale, growth_interval=config.growth_interval,
@@ -243,7 +246,7 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
               timeline=StepTimeline(monitor, output_dir / "memory_timeline.json",
                                     step=min(2, total_steps) if config.memory_timeline else None),
               stop=stop, total_steps=total_steps, trainable_parameters=trainable, total_parameters=total,
-              checkpoint=resumed)
+              checkpoint=resumed, built_bytes=built)
     start_run(run)
     return run
 
@@ -269,7 +272,7 @@ def finish(run: Run, started: float) -> Summary:
     """Save the fine-tuned model, gather the ranks' peaks, write and show the summary."""
     memory = run.monitor.snapshot()
     save_final_model(run)
-    mine = {"peak": memory.peak_bytes, "phases": memory.phase_peaks}
+    mine = {"peak": memory.peak_bytes, "phases": memory.phase_peaks, "built": run.built_bytes}
     ranks: list[dict[str, Any]] = distributed.gather(mine) if run.world.distributed else [mine]
     config, state, counters = run.config, run.state, run.state.counters
     summary = Summary(
@@ -297,6 +300,7 @@ def finish(run: Run, started: float) -> Summary:
         evaluations=state.evaluations, output_dir=str(run.output_dir), world_size=run.world.world_size,
         distributed=run.world.strategy, per_rank_peak_memory_bytes=[rank["peak"] for rank in ranks],
         per_rank_training_peak_bytes=[max(rank["phases"].get(name, 0) for name in PHASES) for rank in ranks],
+        per_rank_built_bytes=[rank["built"] for rank in ranks],
         allreduce_seconds=run.world.allreduce_seconds if run.world.strategy == "ddp" else None,
         packed_rows=run.num_train if run.prepared.packed is not None else None,
         train_examples=len(run.prepared.train_examples),
@@ -323,14 +327,22 @@ def save_final_model(run: Run) -> None:
 
 
 def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, world: distributed.World,
-                prepared: Prepared, device: torch.device, monitor: Monitor, total: int) -> nn.Module:
-    """Saved weights in, then onto the device: as it is, replicated (DDP) or sharded (FSDP2)."""
+                prepared: Prepared, device: torch.device, monitor: Monitor, total: int, *,
+                once: bool = False) -> nn.Module:
+    """Saved weights in, then onto the device: as it is, replicated (DDP) or sharded (FSDP2); ``once``: rank 0
+    alone holds the weights, the other ranks receive their shards (:mod:`memfit.rank0_load`)."""
     config = prepared.config
+
+    def wrap(built: nn.Module) -> nn.Module:
+        return distributed.wrap(built, world, low_precision=prepared.precision.low_dtype, device=device)
+
     try:
-        if checkpoint is not None and not checkpoint.sharded:
+        if checkpoint is not None and not checkpoint.sharded and (world.is_main or not once):
             checkpoint.load_weights(model)
-        if world.distributed:  # FSDP2 moves only the shards
-            model = distributed.wrap(model, world, low_precision=prepared.precision.low_dtype, device=device)
+        if once:
+            model = rank0_load.shard_from_rank_0(model, wrap, main=world.is_main, device=device)
+        elif world.distributed:  # FSDP2 moves only the shards
+            model = wrap(model)
         else:
             model.to(device)
         monitor.track_module(model)  # parameters existed before tracking started

@@ -284,6 +284,12 @@ def is_decoder_llm(spec: ModelSpec) -> bool:
         architecture.endswith("ForCausalLM") for architecture in spec.hf_config.architectures or [])
 
 
+LOADED_DTYPE = torch.float32
+"""The dtype a model is built in, whatever its config or checkpoint says (a Hub LLM's say bf16, which
+transformers would keep, ``dtype="auto"``, in a random init too): fp32 weights, which mixed precision updates
+and the techniques cast (a LoRA base to 16 bits, ``--precision bf16-true``); the estimator builds the same."""
+
+
 @quiet_transformers()
 def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | None = None,
                 task: str = "classification") -> transformers.PreTrainedModel:
@@ -306,14 +312,15 @@ def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | 
     if spec.weights_dir is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return auto_class.from_pretrained(str(spec.weights_dir), **head_kwargs, trust_remote_code=False)
+            return auto_class.from_pretrained(str(spec.weights_dir), **head_kwargs, dtype=LOADED_DTYPE,
+                                              trust_remote_code=False)
     # architectures [] rather than None: the auto class picks among several heads (Perceiver's, DeiT's) by
     # iterating them, and falls back to the first only for a list
     config = spec.hf_config.__class__.from_dict({**spec.hf_config.to_dict(), **head_kwargs,
                                                  "architectures": spec.hf_config.architectures or []})
     if pad_token_id is not None and spec.modality == "text":
         config.pad_token_id = pad_token_id
-    return auto_class.from_config(config)
+    return auto_class.from_config(config, dtype=LOADED_DTYPE)
 
 
 def _causal_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTrainedModel:
@@ -321,9 +328,9 @@ def _causal_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTra
     if spec.weights_dir is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = auto_class.from_pretrained(str(spec.weights_dir), trust_remote_code=False)
+            model = auto_class.from_pretrained(str(spec.weights_dir), dtype=LOADED_DTYPE, trust_remote_code=False)
     else:  # a copy: the pad id set below must not reach the spec's config (a second build must be the same)
-        model = auto_class.from_config(copy.deepcopy(spec.hf_config))
+        model = auto_class.from_config(copy.deepcopy(spec.hf_config), dtype=LOADED_DTYPE)
     if getattr(model.config, "pad_token_id", None) is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id  # (a composite config, Gemma-3's, keeps its own in text_config)
     return model
@@ -386,8 +393,8 @@ def _seq2seq_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTr
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return transformers.AutoModelForSeq2SeqLM.from_pretrained(str(spec.weights_dir), config=config,
-                                                                      trust_remote_code=False)
-    return transformers.AutoModelForSeq2SeqLM.from_config(config)
+                                                                      dtype=LOADED_DTYPE, trust_remote_code=False)
+    return transformers.AutoModelForSeq2SeqLM.from_config(config, dtype=LOADED_DTYPE)
 
 
 def decoder_input_shift(spec: ModelSpec, pad_token_id: int | None) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -91,6 +91,9 @@ class Summary:
     """Each rank's peak (in rank order); ``peak_memory_bytes`` is rank 0's."""
     per_rank_training_peak_bytes: list[int] = field(default_factory=list)
     """Each rank's peak over forward, backward and optimizer: what ``memfit estimate --world-size`` predicts."""
+    per_rank_built_bytes: list[int] = field(default_factory=list)
+    """Host bytes of the model each rank built before sharding or placing it: under FSDP rank 0's alone
+    (:mod:`memfit.rank0_load`), the others building on the meta device."""
     allreduce_seconds: float | None = None
     """DDP: summed time gradient buckets spent in flight (overlapping backward); ``None`` otherwise."""
     packed_rows: int | None = None

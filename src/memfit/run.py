@@ -50,6 +50,8 @@ class Run:
     total_parameters: int
     checkpoint: checkpoints.Checkpoint | None = None
     """The checkpoint this run resumed from."""
+    built_bytes: int = 0
+    """Bytes of the parameters and buffers this process built before placing them (FSDP: rank 0's alone)."""
     state: RunState = field(default_factory=RunState)
     order: list[int] = field(default_factory=list)
     """The current epoch's sample order."""

@@ -114,6 +114,8 @@ def test_ddp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path]
     assert summary["val_accuracy"] == json.loads((single / "summary.json").read_text())["val_accuracy"]
     # the estimate is each rank's tracked peak, to the byte
     assert summary["per_rank_training_peak_bytes"] == [per_rank_estimate(task, "ddp")] * 2
+    built = summary["per_rank_built_bytes"]
+    assert built[0] > 0 and built == [built[0]] * 2  # a replica each: every rank builds the model
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +138,8 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path
     assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]))
     shards = sorted(path.name for path in (out / "checkpoints" / "step-00000004" / "dcp").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard
+    # rank 0 alone built the model; rank 1 built it on the meta device and received its shards from rank 0
+    assert summary["per_rank_built_bytes"][0] > 0 and summary["per_rank_built_bytes"][1:] == [0]
 
 
 def test_sigterm_to_one_rank_stops_both_and_the_sharded_checkpoint_resumes_exactly(
@@ -191,6 +195,7 @@ def test_lora_on_several_ranks_trains_the_adapter_one_process_trains(
         assert summary["per_rank_training_peak_bytes"] == [predicted] * ranks
     else:
         assert predicted < per_rank_estimate(task, "fsdp", ranks)  # the frozen base has no gradient or state
+        assert summary["per_rank_built_bytes"][1:] == [0] * (ranks - 1)  # rank 0 reads for all
         assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]), either_way=True)
         # its sharded checkpoint of step 2 resumes on one process (resharded): the same adapter
         one = work / "fsdp-lora-one-rank"
@@ -214,6 +219,7 @@ def test_fsdp_trains_qlora_with_checkpointing_and_a_chunked_loss_as_one_process_
     result = torchrun([*args, "--output-dir", str(work / "fsdp-qlora"), "--distributed", "fsdp", "--json"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert_weights_close(work / "fsdp-qlora", work / "single-qlora", atol=1e-6)
+    assert all(built > 0 for built in summary_of(result)["per_rank_built_bytes"])  # 4-bit: quantised on every rank
     config = TrainConfig(model=str(model), task="causal-lm", max_length=32, effective_batch=8, micro_batch_size=2,
                          precision="fp32", distributed="fsdp", world_size=2, lora_rank=4, quantize_base="nf4",
                          checkpointing="full", loss_chunk=16, packing=True)
@@ -223,6 +229,31 @@ def test_fsdp_trains_qlora_with_checkpointing_and_a_chunked_loss_as_one_process_
     layer = built.model.layers[0]
     assert_fsdp_peaks(summary_of(result)["per_rank_training_peak_bytes"],
                       estimate(config, device="cpu", seq_len=32).peak_bytes, layer)
+
+
+def test_fsdp_ranks_receive_a_pretrained_llms_weights_from_rank_0(work: Path) -> None:
+    """A Llama whose weights are saved in bf16 (loaded in fp32, as a random init is), trained with LoRA on two
+    FSDP ranks: rank 1 builds it on the meta device and receives every weight and the rotary frequencies (a
+    buffer no state dict holds) from rank 0; the adapter trained is the one-process run's."""
+    import transformers
+
+    model = write_tiny_llm(work / "pretrained-llm", config={"hidden_size": 64, "intermediate_size": 128})
+    torch.manual_seed(1)
+    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    built.to(torch.bfloat16).save_pretrained(model)
+    data = write_pairs(work / "pretrained-pairs.jsonl", count=32)
+    args = ["train", "--model", str(model), "--data", str(data), "--max-length", "32", "--effective-batch", "8",
+            "--micro-batch-size", "2", "--precision", "fp32", "--max-steps", "2", "--lr", "1e-2", "--seed", "0",
+            "--log-every", "1", "--lora-rank", "4", "--optimizer", "sgd"]  # Adam's first steps turn a 1e-7
+    # difference in a near-zero gradient (the ranks sum the window in another order) into one of its lr
+    assert main([*args, "--output-dir", str(work / "pretrained-single")]) == 0
+    result = torchrun([*args, "--output-dir", str(work / "pretrained-fsdp"), "--distributed", "fsdp", "--json"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_weights_close(work / "pretrained-fsdp", work / "pretrained-single", atol=1e-6)
+    assert train_losses(work / "pretrained-fsdp") == pytest.approx(train_losses(work / "pretrained-single"), abs=1e-6)
+    weights = sum(p.numel() for p in built.parameters()) * 2  # bf16, as saved
+    built_bytes = summary_of(result)["per_rank_built_bytes"]
+    assert built_bytes[0] >= weights and built_bytes[1] == 0, built_bytes
 
 
 def test_two_nodes_with_a_rendezvous_on_localhost_train_what_one_process_trains(
@@ -247,6 +278,7 @@ def test_two_nodes_with_a_rendezvous_on_localhost_train_what_one_process_trains(
     summary = summaries[0]
     assert (summary["world_size"], summary["micro_batch_size"], summary["accumulation_steps"]) == (4, 2, 1)
     assert_weights_close(out, single, atol=1e-6)
+    assert summary["per_rank_built_bytes"][1:] == [0, 0, 0]  # one copy for both nodes, on global rank 0's
     predicted = per_rank_estimate(task, "fsdp", 4, shard_group=2)
     assert predicted > per_rank_estimate(task, "fsdp", 4)  # each rank holds half the states, not a quarter
     assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]), either_way=True)

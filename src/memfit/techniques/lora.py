@@ -130,12 +130,14 @@ def quiet_peft() -> Iterator[None]:
 def _import_peft() -> None:
     """Import PEFT once, quietly and outside any dispatch mode: it imports bitsandbytes (quietly first) and
     torchao, whose notes are not memfit's, and makes tensors at import, which neither a run's memory monitor
-    nor the estimator's fake-tensor trace must take for the run's own."""
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        bitsandbytes()
-    with raised_loggers(*NOISY_LOGGERS, "peft"), warnings.catch_warnings(), _disable_current_modes():
-        warnings.simplefilter("ignore")
-        import peft  # noqa: F401
+    nor the estimator's fake-tensor trace must take for the run's own; on the CPU, also where the model is
+    built on the ``meta`` device (:mod:`memfit.rank0_load`), whose tensors bitsandbytes' first call cannot read."""
+    with _disable_current_modes(), torch.device("cpu"):
+        if importlib.util.find_spec("bitsandbytes") is not None:
+            bitsandbytes()
+        with raised_loggers(*NOISY_LOGGERS, "peft"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import peft  # noqa: F401
 
 
 def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:

@@ -1,0 +1,95 @@
+"""One copy of the model per launch: under FSDP, rank 0 reads the weights, the other ranks build the model's
+structure on the ``meta`` device (no memory) and receive their shards from rank 0.
+
+Without it each of a machine's N ranks builds the whole model in host memory before sharding it: N fp32 copies
+at once (an 8B model on 8 GPUs: 8 x 30 GiB of host memory at load), though each rank keeps 1/N of it. Here the
+ranks build the same modules, the techniques applied (freezing, checkpointing, LoRA), rank 0 from the weights and
+the others on ``meta``; every rank shards its model (FSDP2 shards meta parameters as it shards real ones), the
+others allocate their empty shards, and rank 0 broadcasts every tensor of its state dict, each rank keeping its
+shard (``set_model_state_dict(..., broadcast_from_rank0=True)``), then the buffers a state dict leaves out
+(rotary frequencies). The weights are rank 0's, bit for bit, as they would have been on every rank; the random
+number generator is rank 0's after its build on every rank, as a build on each would have left it.
+
+Trade-off: the machine of rank 0 still holds one full copy while it broadcasts, and the broadcast sends every
+tensor to every rank once (a load's worth of traffic over the link, against N reads of the files). Not with a
+4-bit base (QLoRA: bitsandbytes' packed weights and their quantisation state are made by quantising real
+weights) nor with ``--cpu-offload`` (the offloaded shards are pinned host tensors FSDP2 makes itself): those
+runs build the model on every rank, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit.config import TrainConfig
+from memfit.distributed import any_rank
+from memfit.errors import TrainingError
+
+Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def loads_once(config: TrainConfig, strategy: str, world_size: int) -> bool:
+    """Whether this run's model is read by rank 0 alone (see the module docstring for the runs that are not)."""
+    return strategy == "fsdp" and world_size > 1 and config.quantize_base == "none" and not config.cpu_offload
+
+
+def build(make: Callable[[bool], nn.Module], *, main: bool) -> nn.Module:
+    """The model: as ``make(True)`` builds it, with its weights, on rank 0 (``main``); elsewhere its structure,
+    ``make(False)`` (from the config: a weights file cannot be read onto ``meta``), on the ``meta`` device."""
+    if main:
+        return make(True)
+    with torch.device("meta"):
+        return make(False)
+
+
+def materialised_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers that hold memory (none on ``meta``), each storage once."""
+    storages = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    return sum(storages.values())
+
+
+def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module], *, main: bool,
+                      device: torch.device) -> nn.Module:
+    """``model`` sharded by ``shard`` on every rank, each shard holding rank 0's values (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = model.state_dict() if main else {}  # rank 0's tensors, kept until broadcast
+    manifest: Manifest = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in full.items()}
+    shared: list[Any] = [manifest]
+    dist.broadcast_object_list(shared, src=0)
+    problem = None if main else _match(model, shared[0])
+    if any_rank(problem is not None, device):  # every rank stops, none waits on a collective
+        raise TrainingError(problem or "another rank built a model other than rank 0's; report it, with the model "
+                            "and the command")
+    model = shard(model)
+    if not main:
+        model.to_empty(device=device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    for buffer in model.buffers():  # non-persistent buffers are not in a state dict
+        dist.broadcast(buffer, src=0)
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+    return model
+
+
+def _match(model: nn.Module, manifest: Manifest) -> str | None:
+    """The meta model given rank 0's dtypes (a checkpoint may load in its own: ``dtype="auto"``); or, where its
+    structure differs from rank 0's (a defect), what differs."""
+    tensors = model.state_dict(keep_vars=True)
+    differs = sorted(set(tensors) ^ set(manifest)) or [name for name, (shape, _) in manifest.items()
+                                                        if tuple(tensors[name].shape) != shape]
+    if differs:
+        return (f"rank {dist.get_rank()} built a model other than rank 0's ({', '.join(differs[:3])}); report it, "
+                "with the model and the command")
+    for name, (_, dtype) in manifest.items():
+        tensor = tensors[name]
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)
+    return None
