@@ -8,7 +8,6 @@ step that really runs.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,10 +252,9 @@ def build_model_for(prepared: Prepared, *, weights: bool = True) -> nn.Module:
     """The model of a prepared run, with its techniques applied; ``weights=False``: its structure alone, from
     the config (the same modules; what :mod:`memfit.rank0_load` builds on the meta device)."""
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer is not None else None
-    spec = prepared.spec if weights else dataclasses.replace(prepared.spec, weights_dir=None)
-    return build_with_techniques(spec, prepared.config, label_names=prepared.label_names,
+    return build_with_techniques(prepared.spec, prepared.config, label_names=prepared.label_names,
                                  pad_token_id=pad, task=prepared.task, low_dtype=prepared.precision.low_dtype,
-                                 weights_dtype=prepared.precision.weights_dtype)
+                                 weights_dtype=prepared.precision.weights_dtype, weights=weights)
 
 
 def build_base_for(prepared: Prepared) -> transformers.PreTrainedModel:
@@ -267,11 +265,12 @@ def build_base_for(prepared: Prepared) -> transformers.PreTrainedModel:
 
 
 def build_base(spec: ModelSpec, *, seed: int, label_names: list[str], pad_token_id: int | None,
-               task: str) -> transformers.PreTrainedModel:
+               task: str, weights: bool = True) -> transformers.PreTrainedModel:
     """The model, seeded, its embeddings tied where the config says so (a no-op where already tied: a
-    fake-tensor trace skips init_weights, which is where transformers ties them)."""
+    fake-tensor trace skips init_weights, which is where transformers ties them). ``weights=False``: its
+    structure alone (:func:`memfit.models.build_model`)."""
     torch.manual_seed(seed)
-    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id, task=task)
+    model = build_model(spec, label_names=label_names, pad_token_id=pad_token_id, task=task, weights=weights)
     model.tie_weights()
     return model
 
@@ -279,13 +278,16 @@ def build_base(spec: ModelSpec, *, seed: int, label_names: list[str], pad_token_
 def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: list[str],
                           pad_token_id: int | None, task: str = "classification",
                           low_dtype: torch.dtype | None = None,
-                          weights_dtype: torch.dtype | None = None) -> nn.Module:
-    """Build the model and apply the techniques in order: quantise the base -> freeze -> checkpointing ->
-    LoRA -> 16-bit weights (mixed precision is a context). ``low_dtype``: the run's 16-bit dtype (``None``
-    under fp32), the compute dtype of quantised layers and the storage of LoRA's frozen weights.
-    ``weights_dtype``: every remaining fp32 parameter stored in it (``bf16-true``)."""
+                          weights_dtype: torch.dtype | None = None, weights: bool = True) -> nn.Module:
+    """Build the model and apply the techniques in order: fp32 weights -> quantise the base -> freeze ->
+    checkpointing -> LoRA -> 16-bit weights (mixed precision is a context). ``low_dtype``: the run's 16-bit
+    dtype (``None`` under fp32), the compute dtype of quantised layers and the storage of LoRA's frozen weights.
+    ``weights_dtype``: every remaining fp32 parameter stored in it (``bf16-true``). ``weights=False``: the
+    model's structure, its weights not read (:mod:`memfit.rank0_load`)."""
     model: nn.Module = build_base(spec, seed=config.seed, label_names=label_names, pad_token_id=pad_token_id,
-                                  task=task)
+                                  task=task, weights=weights)
+    if not (config.lora_rank and low_dtype is not None):  # a LoRA base stored in 16 bits is loaded as saved
+        _in_fp32(model)  # a checkpoint (or a config) in bf16, a Hub LLM's: the fp32 weights the run updates
     if config.packing:  # transformers reads packed positions only in a forward without a KV cache
         disable_cache(model)
     if is_encoder_decoder(spec) and task != "causal-lm":  # a training forward needs no KV cache: an encoder-
@@ -304,6 +306,14 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
     if weights_dtype is not None:
         cast_parameters(model, weights_dtype)
     return model
+
+
+def _in_fp32(model: nn.Module) -> None:
+    """Every 16-bit floating-point parameter of ``model`` stored in fp32, in place (a tied weight once)."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dtype in (torch.bfloat16, torch.float16):
+                parameter.data = parameter.data.float()
 
 
 def build_optimizer_for(model: nn.Module, config: TrainConfig, *,

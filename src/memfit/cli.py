@@ -75,7 +75,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print_plan(Console(width=max(Console().width, 150)), result, top=args.top)
         if args.save:
-            print(f"saved to {args.save}; train with: memfit train --plan {args.save}")
+            launch = launch_line(result.chosen.world_size if result.chosen else 1, result.gpus_per_node)
+            print(f"saved to {args.save}; train with: {launch} train --plan {args.save}")
     if result.chosen is None:
         sys.stderr.write(f"memfit: nothing fits: {result.verdict.removeprefix('nothing fits ')}\n")
         return 1

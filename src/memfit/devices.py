@@ -306,13 +306,25 @@ def profile_for(device: Device, *, memory_bytes: int | None = None) -> DevicePro
                          >= (7, 0), non_pytorch_bytes=CUDA_CONTEXT_BYTES)
 
 
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+"""Where Linux states a container's memory limit (cgroup v2, v1)."""
+
+
 def host_memory_bytes() -> int | None:
-    """This machine's physical memory (``None`` where the system does not say): what a run's offloaded bytes,
-    over the ranks it launches here, must fit."""
+    """This machine's memory, or its container's limit where lower (``None`` where the system says neither):
+    what a run's offloaded bytes, over the ranks it launches here, must fit."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        known = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
     except (AttributeError, ValueError, OSError):
-        return None
+        known = []
+    for limit in CGROUP_LIMITS:
+        try:
+            text = limit.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            known.append(int(text))
+    return min(known, default=None)
 
 
 def _model_token(profile: DeviceProfile) -> str:

@@ -208,10 +208,10 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
     config = prepared.config
     total_steps = min(config.max_steps or sys.maxsize,
                       config.epochs * math.ceil(prepared.num_train_samples / config.effective_batch))
-    once = rank0_load.loads_once(config, world.strategy, world.world_size)  # FSDP: rank 0 reads the weights
+    once = rank0_load.loads_once(config, prepared.spec, world.strategy, world.world_size)  # FSDP: rank 0 reads
     with model_support(prepared.spec.hf_config):  # an architecture memfit cannot build: one line
         model: nn.Module = rank0_load.build(lambda weights: build_model_for(prepared, weights=weights),
-                                            main=world.is_main or not once)
+                                            main=world.is_main, once=once)
     built = rank0_load.materialised_bytes(model)  # freeze -> checkpointing (-> sharding, below)
     trainable, total = count_parameters(model)
     architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later

@@ -284,22 +284,18 @@ def is_decoder_llm(spec: ModelSpec) -> bool:
         architecture.endswith("ForCausalLM") for architecture in spec.hf_config.architectures or [])
 
 
-LOADED_DTYPE = torch.float32
-"""The dtype a model is built in, whatever its config or checkpoint says (a Hub LLM's say bf16, which
-transformers would keep, ``dtype="auto"``, in a random init too): fp32 weights, which mixed precision updates
-and the techniques cast (a LoRA base to 16 bits, ``--precision bf16-true``); the estimator builds the same."""
-
-
 @quiet_transformers()
 def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | None = None,
-                task: str = "classification") -> transformers.PreTrainedModel:
+                task: str = "classification", weights: bool = True) -> transformers.PreTrainedModel:
     """Build the model with a classification head for ``label_names`` (pretrained body when available), or
-    with its language-model head for ``task="causal-lm"`` (``"seq2seq"``: an encoder-decoder's)."""
+    with its language-model head for ``task="causal-lm"`` (``"seq2seq"``: an encoder-decoder's).
+    ``weights=False``: a pretrained model's modules and config without reading its weights (its structure,
+    built on the ``meta`` device by :mod:`memfit.rank0_load`)."""
     quiet_imports()  # before transformers imports its optional quantization libraries on its own
     if task == "causal-lm":
-        return _causal_lm(spec, pad_token_id)
+        return _causal_lm(spec, pad_token_id, weights=weights)
     if task == "seq2seq":
-        return _seq2seq_lm(spec, pad_token_id)
+        return _seq2seq_lm(spec, pad_token_id, weights=weights)
     num_labels = len(label_names)
     head_kwargs: dict[str, Any] = {
         "num_labels": num_labels,
@@ -312,25 +308,28 @@ def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | 
     if spec.weights_dir is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return auto_class.from_pretrained(str(spec.weights_dir), **head_kwargs, dtype=LOADED_DTYPE,
-                                              trust_remote_code=False)
+            if not weights:  # its structure: the modules from_pretrained builds, from the same config
+                config = transformers.AutoConfig.from_pretrained(str(spec.weights_dir), **head_kwargs,
+                                                                 trust_remote_code=False)
+                return auto_class.from_config(config)
+            return auto_class.from_pretrained(str(spec.weights_dir), **head_kwargs, trust_remote_code=False)
     # architectures [] rather than None: the auto class picks among several heads (Perceiver's, DeiT's) by
     # iterating them, and falls back to the first only for a list
     config = spec.hf_config.__class__.from_dict({**spec.hf_config.to_dict(), **head_kwargs,
                                                  "architectures": spec.hf_config.architectures or []})
     if pad_token_id is not None and spec.modality == "text":
         config.pad_token_id = pad_token_id
-    return auto_class.from_config(config, dtype=LOADED_DTYPE)
+    return auto_class.from_config(config)
 
 
-def _causal_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTrainedModel:
+def _causal_lm(spec: ModelSpec, pad_token_id: int | None, *, weights: bool = True) -> transformers.PreTrainedModel:
     auto_class = transformers.AutoModelForCausalLM
-    if spec.weights_dir is not None:
+    if spec.weights_dir is not None and weights:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = auto_class.from_pretrained(str(spec.weights_dir), dtype=LOADED_DTYPE, trust_remote_code=False)
+            model = auto_class.from_pretrained(str(spec.weights_dir), trust_remote_code=False)
     else:  # a copy: the pad id set below must not reach the spec's config (a second build must be the same)
-        model = auto_class.from_config(copy.deepcopy(spec.hf_config), dtype=LOADED_DTYPE)
+        model = auto_class.from_config(copy.deepcopy(spec.hf_config))
     if getattr(model.config, "pad_token_id", None) is None and pad_token_id is not None:
         model.config.pad_token_id = pad_token_id  # (a composite config, Gemma-3's, keeps its own in text_config)
     return model
@@ -387,14 +386,14 @@ def seq2seq_config(spec: ModelSpec, pad_token_id: int | None) -> transformers.Pr
     return config
 
 
-def _seq2seq_lm(spec: ModelSpec, pad_token_id: int | None) -> transformers.PreTrainedModel:
+def _seq2seq_lm(spec: ModelSpec, pad_token_id: int | None, *, weights: bool = True) -> transformers.PreTrainedModel:
     config = seq2seq_config(spec, pad_token_id)
-    if spec.weights_dir is not None:
+    if spec.weights_dir is not None and weights:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return transformers.AutoModelForSeq2SeqLM.from_pretrained(str(spec.weights_dir), config=config,
-                                                                      dtype=LOADED_DTYPE, trust_remote_code=False)
-    return transformers.AutoModelForSeq2SeqLM.from_config(config, dtype=LOADED_DTYPE)
+                                                                      trust_remote_code=False)
+    return transformers.AutoModelForSeq2SeqLM.from_config(config)
 
 
 def decoder_input_shift(spec: ModelSpec, pad_token_id: int | None) -> Callable[[torch.Tensor], torch.Tensor]:

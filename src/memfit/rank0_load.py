@@ -11,7 +11,9 @@ shard (``set_model_state_dict(..., broadcast_from_rank0=True)``), then the buffe
 number generator is rank 0's after its build on every rank, as a build on each would have left it.
 
 Trade-off: the machine of rank 0 still holds one full copy while it broadcasts, and the broadcast sends every
-tensor to every rank once (a load's worth of traffic over the link, against N reads of the files). Not with a
+tensor to every rank once (a load's worth of traffic over the link, against N reads of the files); each tensor
+passes whole through every rank's device on its way to the shard, one at a time (an 8B model's embedding: 2 GiB
+in fp32, before training starts: not in the step's estimate, but in the run's overall peak). Not with a
 4-bit base (QLoRA: bitsandbytes' packed weights and their quantisation state are made by quantising real
 weights) nor with ``--cpu-offload`` (the offloaded shards are pinned host tensors FSDP2 makes itself): those
 runs build the model on every rank, as before.
@@ -27,22 +29,32 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.config import TrainConfig
-from memfit.distributed import any_rank
+from memfit.distributed import any_rank, decided_once
 from memfit.errors import TrainingError
+from memfit.models import ModelSpec
 
 Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def loads_once(config: TrainConfig, strategy: str, world_size: int) -> bool:
-    """Whether this run's model is read by rank 0 alone (see the module docstring for the runs that are not)."""
-    return strategy == "fsdp" and world_size > 1 and config.quantize_base == "none" and not config.cpu_offload
+def loads_once(config: TrainConfig, spec: ModelSpec, strategy: str, world_size: int) -> bool:
+    """Whether this run's model is read by rank 0 alone (see the module docstring for the runs that are not;
+    nor a checkpoint stored quantised, whose modules only its weights make)."""
+    return strategy == "fsdp" and world_size > 1 and config.quantize_base == "none" and not config.cpu_offload \
+        and getattr(spec.hf_config, "quantization_config", None) is None
 
 
-def build(make: Callable[[bool], nn.Module], *, main: bool) -> nn.Module:
-    """The model: as ``make(True)`` builds it, with its weights, on rank 0 (``main``); elsewhere its structure,
-    ``make(False)`` (from the config: a weights file cannot be read onto ``meta``), on the ``meta`` device."""
-    if main:
+def build(make: Callable[[bool], nn.Module], *, main: bool, once: bool) -> nn.Module:
+    """The model: as ``make(True)`` builds it, with its weights; with ``once``, on rank 0 (``main``) alone, and
+    elsewhere its structure, ``make(False)`` (from the config: weights cannot be read onto ``meta``), on the
+    ``meta`` device, once rank 0 has built its model. The other ranks wait for that in torchrun's key-value
+    store (:func:`memfit.distributed.decided_once`), not in a collective, whose timeout a large model's read
+    could outlast; rank 0's failure is raised on every rank."""
+    if not once:
         return make(True)
+    built = decided_once("model", lambda: make(True) if main else None, encode=lambda _: "built",
+                         decode=lambda _: None)
+    if built is not None:
+        return built
     with torch.device("meta"):
         return make(False)
 

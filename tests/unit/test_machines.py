@@ -123,6 +123,10 @@ def test_what_the_ranks_of_a_machine_offload_must_fit_its_host_memory(tmp_path: 
     assert f"{format_bytes(2 * per_rank)} of {format_bytes(2 * per_rank)} host memory" in exactly.verdict
     short = planned(host_memory=2 * per_rank - 1)
     assert short.chosen is None, short.verdict
+    assert short.verdict.startswith(f"nothing fits {format_bytes(2 * per_rank - 1)} of host memory per machine: "
+                                    f"the setup that needs least on the card ({chosen.describe()}, "
+                                    f"{format_bytes(chosen.predicted_peak_bytes or 0)}) keeps "
+                                    f"{format_bytes(2 * per_rank)} there"), short.verdict
     held = [c for c in short.candidates if c.exact and c.family.opt_in is None and c.predicted_peak_bytes is not None
             and c.predicted_peak_bytes <= short.usable_bytes]  # the card holds them, the host does not
     assert held and all(c.reason == f"host: needs {format_bytes(2 * c.predicted_host_bytes)} per machine, over "
@@ -139,11 +143,40 @@ def test_machines_and_host_memory_that_cannot_be_planned_are_one_line_each(
     cases = {("--gpus", "6", "--gpus-per-node", "4"): "--gpus 6 does not fill machines of --gpus-per-node 4: give "
                                                        "a multiple of 4 (e.g. --gpus 8)",
              ("--gpus", "2", "--gpus-per-node", "0"): "--gpus-per-node must be >= 1 (got 0)",
-             ("--gpus", "2", "--host-memory", "lots"): "--host-memory 'lots' is not a memory size"}
+             ("--gpus", "2", "--host-memory", "lots"): "--host-memory 'lots' is not a memory size",
+             ("--max-gpus", "4", "--gpus-per-node", "0"): "--gpus-per-node must be >= 1 (got 0)",
+             ("--device", "NO_BANDWIDTH"): "device nobandwidth has no memory_bandwidth"}
+    bare = tmp_path / "bare.toml"
+    bare.write_text('name = "nobandwidth"\nmemory_bytes = 1073741824\nfp32_flops = 1e12\nbf16_flops = 1e12\n')
     for options, message in cases.items():
-        assert main([*common, *options]) == 2
+        assert main([*common, *(str(bare) if word == "NO_BANDWIDTH" else word for word in options)]) == 2
         captured = capsys.readouterr()
         assert message in captured.err and captured.out == "" and "Traceback" not in captured.err
         assert len(captured.err.strip().splitlines()) == 1, captured.err
     with pytest.raises(ConfigError, match="--gpus 6 does not fill machines"):
         plan(TrainConfig(model=model, effective_batch=8), device="cpu", budget="64MiB", gpus=6, gpus_per_node=4)
+
+
+@pytest.mark.slow
+def test_the_saved_plan_of_several_machines_says_the_launch_of_each(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile file's ``node_bandwidth`` is read, and the plan saved for two machines of two GPUs prints the
+    torchrun command to run on each, whose world size ``memfit train --plan`` then expects."""
+    from memfit.planner import load_plan
+
+    model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
+    cpu = resolve_profile("cpu")
+    profile = tmp_path / "slow.toml"
+    profile.write_text(f'name = "slow"\nmemory_bytes = 0\nfp32_flops = {cpu.fp32_flops}\n'
+                       f"bf16_flops = {cpu.bf16_flops}\nmemory_bandwidth = {cpu.memory_bandwidth}\n"
+                       f"link_bandwidth = {cpu.link_bandwidth}\nnode_bandwidth = {cpu.link_bandwidth / 1000}\n")
+    assert resolve_profile(str(profile)).node_bandwidth == cpu.link_bandwidth / 1000
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "--model", model, "--device", str(profile), "--budget", "64MiB", "--seq-len", "32",
+                 "--effective-batch", "4", "--precision", "fp32", "--gpus", "4", "--gpus-per-node", "2",
+                 "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert ('train with: torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d '
+            f'"--rdzv-endpoint=${{MASTER_ADDR}}:29500" --rdzv-id=memfit -m memfit train --plan {saved}') in out
+    made = load_plan(saved)
+    assert made.gpus_per_node == 2 and made.chosen is not None and made.chosen.family.shard_group == 2

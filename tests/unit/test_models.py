@@ -74,26 +74,33 @@ def test_saved_head_is_detected(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("task", ["causal-lm", "classification"])
-def test_weights_saved_in_bf16_are_loaded_in_fp32_as_the_estimate_counts_them(tmp_path: Path, task: str) -> None:
-    """A Hub LLM's checkpoint is bf16 and says so in its config; transformers would keep it (``dtype="auto"``),
-    and a run would then update bf16 weights the estimator and the chosen precision take for fp32."""
+def test_weights_saved_in_bf16_are_trained_in_fp32_as_the_estimate_counts_them(tmp_path: Path, task: str) -> None:
+    """A Hub LLM's checkpoint is bf16 and says so in its config; transformers keeps it (``dtype="auto"``), and a
+    run would then update bf16 weights the estimator and the chosen precision take for fp32. A LoRA base stored in
+    16 bits anyway stays as saved (no fp32 copy at load)."""
     import torch
 
+    from memfit.build import build_with_techniques
     from memfit.config import TrainConfig
     from memfit.memory.estimate import estimate
     from tests.conftest import write_tiny_llm
 
     model = write_tiny_llm(tmp_path / "llm")
-    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
-    built.to(torch.bfloat16).save_pretrained(model)
+    saved = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    saved.to(torch.bfloat16).save_pretrained(model)
     assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16"
-    loaded = build_model(resolve_model(str(model)), label_names=["a", "b"], pad_token_id=0, task=task)
-    assert {parameter.dtype for parameter in loaded.parameters()} == {torch.float32}
-    torch.testing.assert_close(loaded.model.embed_tokens.weight, built.model.embed_tokens.weight.float(), rtol=0,
-                               atol=0)
+    spec = resolve_model(str(model))
     config = TrainConfig(model=str(model), task=task, max_length=16, effective_batch=2, precision="fp32")
+    built = build_with_techniques(spec, config, label_names=["a", "b"], pad_token_id=0, task=task)
+    assert {parameter.dtype for parameter in built.parameters()} == {torch.float32}
+    torch.testing.assert_close(built.model.embed_tokens.weight, saved.model.embed_tokens.weight.float(), rtol=0,
+                               atol=0)
     assert estimate(config, device="cpu", seq_len=16).breakdown["parameters"] == 4 * sum(
-        parameter.numel() for parameter in loaded.parameters())
+        parameter.numel() for parameter in built.parameters())
+    lora = build_with_techniques(spec, TrainConfig(model=str(model), task=task, lora_rank=4, precision="bf16"),
+                                 label_names=["a", "b"], pad_token_id=0, task=task, low_dtype=torch.bfloat16)
+    frozen = {parameter.dtype for parameter in lora.parameters() if not parameter.requires_grad}
+    assert frozen == {torch.bfloat16}
 
 
 @pytest.mark.parametrize(("config", "layers", "embedding_names"), [

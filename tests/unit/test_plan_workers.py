@@ -119,3 +119,25 @@ def test_a_plan_traced_side_by_side_equals_one_traced_alone(tmp_path: Path, monk
     assert len(list(processes.iterdir())) > 1  # workers traced some of the second plan
     assert json.dumps(answers[0], sort_keys=True) == json.dumps(answers[1], sort_keys=True)
     assert answers[0]["chosen"] is not None and "would not fit either" in answers[0]["verdict"]
+
+
+def test_a_fit_that_leaves_a_trace_process_idle_traces_the_next_familys_first_point(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two trace processes, a family whose least need is traced needs one more trace (its line's other point):
+    the next family's first point is traced beside it. A family needing two traces fills both processes alone."""
+    from memfit.devices import resolve_profile
+    from memfit.planner.families import Family
+    from memfit.planner.search import Search
+
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    config = TrainConfig(model=str(write_tiny_llm(tmp_path / "llm")), max_length=16, effective_batch=8,
+                         task="causal-lm")
+    search = Search(config, resolve_profile("cpu"), usable_bytes=1 << 40, seq_len=16, image_size=None, num_labels=2)
+    known, other = (Family(precision="fp32", checkpointing=c, kernels="fused") for c in ("full", "none"))
+    assert search.fit_requests(other) == [(other, 4, True, True), (other, 2, True, True)]
+    assert search._ahead([other, known]) == search.fit_requests(other)  # both processes busy already
+    search.exact(known, 1)  # its least need
+    assert search.fit_requests(known) == [(known, 4, True, True)]
+    assert search._ahead([known, other]) == [(known, 4, True, True), (other, 4, True, True)]
+    monkeypatch.setenv(WORKERS_ENV, "1")
+    assert search._ahead([known, other]) == [(known, 4, True, True)]  # one process: nothing ahead

@@ -563,8 +563,8 @@ def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() 
 
 def test_a_family_whose_traced_least_need_does_not_fit_is_not_traced_again(tmp_path: Path) -> None:
     """A family whose micro-batch 1 was traced already (a stage's least need) and is over the budget gets no line:
-    a larger micro-batch keeps more, so no split fits, and nothing more is traced. Over a budget it fits, its line
-    is traced as usual."""
+    a larger micro-batch keeps more, so no split fits, and nothing more is traced. Over a budget it fits, that
+    least need is its line's low point: one more trace, at its largest micro-batch with accumulation."""
     from memfit.devices import resolve_profile
     from memfit.planner.families import Family
     from memfit.planner.search import Search
@@ -588,7 +588,9 @@ def test_a_family_whose_traced_least_need_does_not_fit_is_not_traced_again(tmp_p
     assert over.candidates[(family, 1)].fits is False
     fitting = search(least.predicted_peak_bytes)
     fitting.fit(family)
-    assert len(cache) == 3  # the two points of its line
+    assert len(cache) == 2  # the other point of its line
+    line = fitting.lines[family]
+    assert line.low is over.exact(family, 1) and line.high is not None and line.high.micro_batch_size == 4
     assert {micro for _, micro in fitting.candidates} == set(micro_batch_sizes(8))
 
 

@@ -259,7 +259,10 @@ def trainer_snippet(made: Plan) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in lora.items())
         lines += ["", "import peft", f"model = peft.get_peft_model(model, peft.LoraConfig({settings}))"]
     dtype = frozen_dtype(made)
-    if dtype is not None:
+    if dtype is None:
+        lines += ["", "# the plan keeps float32 weights: load the model with from_pretrained(..., "
+                  "dtype=torch.float32)", "# (transformers keeps a checkpoint's own dtype, a Hub LLM's bfloat16)"]
+    else:
         lines += ["# the plan stores the frozen base in 16 bits (its adapters train in float32), as memfit's run does",
                   "import torch", "from memfit.techniques.lora import store_frozen", "",
                   f"store_frozen(model, torch.{dtype})"]

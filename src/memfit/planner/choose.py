@@ -63,13 +63,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     the profile's ``node_bandwidth``; FSDP within each machine and replicated across them, HSDP, planned too);
     ``host_memory`` (e.g. ``"256GiB"``): one machine's host memory, which what its ranks offload must fit."""
     started = time.perf_counter()
-    base = config or TrainConfig()
-    allow = allow.union(Allowed.of(base))  # a run's own --allow-* options
-    base = dataclasses.replace(base, model=model or base.model, effective_batch=effective_batch or base.effective_batch,
-                               micro_batch_size=None, accumulation_steps=None, budget=None, plan=None,
-                               world_size=gpus or base.world_size, device_profile=None).without_opt_ins()
-    if base.world_size > 1 and base.distributed == "none":
-        base = dataclasses.replace(base, distributed="auto")
+    allow = allow.union(Allowed.of(config or TrainConfig()))  # a run's own --allow-* options
+    base = _planned_base(config or TrainConfig(), model=model, effective_batch=effective_batch, gpus=gpus)
     profile, budget_bytes, host_bytes = _checked_inputs(base, device, budget, margin, precisions=precisions,
                                                         allow_8bit=allow.eight_bit_optimizer,
                                                         lora_rank=lora_rank if allow.adapters else None,
@@ -82,9 +77,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache, exact_trace=exact_trace, progress=progress,
                      per_node=gpus_per_node, host_memory=host_bytes)
-    named = planned_precisions(profile) if precisions else profile.precisions()  # bf16-true: named, or opted in
-    chosen_precisions = tuple(sorted((p for p in named if not precisions or p in precisions),
-                                     key=lambda p: -profile.flops_for(p)))
+    chosen_precisions = _fastest_first(profile, precisions)
     chosen, smallest = _neutral(search, base, profile, chosen_precisions, spec, inputs.task)
     advice: list[Advice] = []
     if chosen is None:
@@ -97,8 +90,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                            task=inputs.task, spec=spec)
     ranked = rank_candidates(search, chosen, allowed=lambda f: allow.permits(f.opt_ins))
     verdict = verdict_line(chosen, smallest, [item.line for item in advice], usable, budget_bytes, margin,
-                           host=search.host_per_node(chosen.family, chosen.predicted_host_bytes) if chosen else 0,
-                           host_memory=host_bytes)
+                           host=search.host_per_node(shown.family, shown.predicted_host_bytes)
+                           if (shown := chosen or smallest) else 0, host_memory=host_bytes)
     length = seq_len or base.max_length
     return Plan(chosen=chosen, candidates=ranked, budget_bytes=budget_bytes, usable_bytes=usable, margin=margin,
                 device=profile.name, device_description=profile.description, model=base.model,
@@ -107,6 +100,25 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                 verdict=verdict, traces=len(search.traces), seconds=time.perf_counter() - started,
                 config=base.to_dict(), fixes=[item.fits for item in advice if item.fits is not None], opt_ins=given,
                 gpus_per_node=search.per_node, host_memory_bytes=host_bytes)
+
+
+def _planned_base(config: TrainConfig, *, model: str | None, effective_batch: int | None,
+                  gpus: int | None) -> TrainConfig:
+    """The run's options the plan starts from: its split, budget and opt-ins are the plan's to choose."""
+    base = dataclasses.replace(config, model=model or config.model,
+                               effective_batch=effective_batch or config.effective_batch, micro_batch_size=None,
+                               accumulation_steps=None, budget=None, plan=None, world_size=gpus or config.world_size,
+                               device_profile=None).without_opt_ins()
+    if base.world_size > 1 and base.distributed == "none":
+        base = dataclasses.replace(base, distributed="auto")
+    return base
+
+
+def _fastest_first(profile: DeviceProfile, precisions: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The precisions planned (``precisions``, else the device's), the fastest first; bf16-true where named (or
+    opted in)."""
+    named = planned_precisions(profile) if precisions else profile.precisions()
+    return tuple(sorted((p for p in named if not precisions or p in precisions), key=lambda p: -profile.flops_for(p)))
 
 
 def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisions: tuple[str, ...],
@@ -278,6 +290,11 @@ def _checked_inputs(base: TrainConfig, device: str | DeviceProfile, budget: str 
         if min(profile.flops_for(p) for p in allowed) <= 0:
             problems.add(f"device {profile.description} has no throughput figures to plan with; pass a profile "
                          "file with fp32_flops (and fp16_flops/bf16_flops) as --device")
+        elif min(profile.memory_bandwidth, profile.link_bandwidth, profile.host_bandwidth,
+                 profile.node_bandwidth) <= 0:
+            problems.add(f"device {profile.description} has no memory_bandwidth (or a link, host or node bandwidth "
+                         "of 0) to plan with; give it in bytes per second in the profile file, e.g. "
+                         "memory_bandwidth = 4.8e11")
     problems.raise_if_any(ConfigError)
     assert profile is not None and budget_bytes is not None
     return profile, budget_bytes, host_bytes

@@ -133,6 +133,8 @@ def plan_gpu_count(request: PlanRequest, max_gpus: int, *, progress: Callable[[s
         raise ConfigError("--gpus plans one number of GPUs and --max-gpus every number up to it; give one of them")
     effective = request.config().effective_batch
     per_node = request.gpus_per_node
+    if per_node is not None and per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be >= 1 (got {per_node})")
     counts = [gpus for gpus in range(1, min(max_gpus, effective) + 1)  # whole machines beyond one
               if per_node is None or gpus <= per_node or gpus % per_node == 0]
     shared: dict[Any, Estimate] = {} if cache is None else cache

@@ -190,7 +190,7 @@ class _Weights:
 def _stored(family: Family) -> tuple[object, ...]:
     """What decides how a family's weights are stored on the card: sharded or not, 16-bit or fp32 (mixed
     precision keeps fp32 weights), adapters and a quantised base."""
-    return family.strategy, family.precision == "bf16-true", family.lora_rank, family.quantize_base
+    return family.strategy, family.shard_group, family.precision == "bf16-true", family.lora_rank, family.quantize_base
 
 
 def _prefetch_needs(search: Search, tried: list[Stage], bases: list[Family], task: str, weights: _Weights) -> None:

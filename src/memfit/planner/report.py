@@ -268,5 +268,10 @@ def verdict_line(chosen: Candidate | None, smallest: Candidate | None, advice: l
         return (f"{chosen.describe()} fits {where}: needs {format_bytes(chosen.predicted_peak_bytes or 0)}"
                 f"{on_host}, predicted {chosen.predicted_samples_per_second:.1f} samples/s{why}")
     assert smallest is not None
+    if host_memory is not None and (smallest.predicted_peak_bytes or 0) <= usable:  # the card holds it: the host not
+        card = format_bytes(smallest.predicted_peak_bytes or 0)
+        return "; ".join([f"nothing fits {format_bytes(host_memory)} of host memory per machine: the setup that "
+                          f"needs least on the card ({smallest.describe()}, {card}) keeps {format_bytes(host)} there",
+                          *advice])
     return "; ".join([f"nothing fits {where}: the smallest any allowed setup needs is "
                       f"{format_bytes(smallest.predicted_peak_bytes or 0)} ({smallest.describe()})", *advice])

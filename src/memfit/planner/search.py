@@ -16,7 +16,7 @@ from memfit.devices import DeviceProfile
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
-from memfit.planner.workers import side_by_side, side_by_side_usable
+from memfit.planner.workers import side_by_side, side_by_side_usable, worker_count
 
 BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
@@ -137,6 +137,25 @@ class Search:
                 self.cache[shared] = result
                 self._told(family)
 
+    def _ahead(self, ranked: list[Family]) -> list[tuple[Family, int, bool, bool]]:
+        """The first family's traces, and, where they leave trace processes idle, the next families' first
+        untraced ones: a family fitted next usually (one whose bound a fit leaves below the best), a trace wasted
+        on an idle core otherwise."""
+        requests, missing = [], 0
+        for index, family in enumerate(ranked):
+            for request in self.fit_requests(family):
+                untraced = not self._cached(request[0], request[1], accumulate=request[2], lean=request[3])
+                if index == 0 or (untraced and missing < worker_count()):
+                    requests.append(request)
+                    missing += untraced
+            if missing >= worker_count():
+                break
+        return requests
+
+    def _cached(self, family: Family, micro: int, *, accumulate: bool, lean: bool) -> bool:
+        """Whether that trace was made already (by this search or one sharing its cache)."""
+        return self._request(family, micro, accumulate=accumulate, lean=lean)[1] in self.cache
+
     def _request(self, family: Family, micro: int, *, accumulate: bool,
                  lean: bool) -> tuple[tuple[Family, int, bool, bool], Any, TrainConfig]:
         """(the search's key, the shared cache's key, the config traced) of a trace."""
@@ -160,6 +179,22 @@ class Search:
     def line_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:
         return family, micro, True, True
 
+    def line_micros(self, family: Family) -> list[int]:
+        """The micro-batches :meth:`fit` traces for ``family``'s line: its two largest with accumulation, or the
+        largest alone where its least need (micro-batch 1) was traced already and is the other point."""
+        accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
+        if accumulated and self._cached(family, 1, accumulate=True, lean=False):
+            return [micro for micro in accumulated[:1] if micro > 1]
+        return accumulated[:2]
+
+    def fit_requests(self, family: Family) -> list[tuple[Family, int, bool, bool]]:
+        """The traces :meth:`fit` asks for first (what a search may trace ahead, beside another family's)."""
+        if family.optimizer_in_backward:
+            return [self.exact_request(family, self.effective)]
+        if not any(math.ceil(self.effective / micro) > 1 for micro in self.micros):
+            return [self.exact_request(family, 1)]
+        return [self.line_request(family, micro) for micro in self.line_micros(family)]
+
     def exact_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:
         return family, micro, math.ceil(self.effective / micro) > 1, False
 
@@ -175,21 +210,24 @@ class Search:
     def fit(self, family: Family) -> None:
         """Trace ``family`` at its two largest micro-batches with accumulation and predict every split (a
         step in backward: its one split, the whole window in one micro-batch). Where its least need
-        (micro-batch 1) was traced already and does not fit, nothing more is traced: no split fits."""
+        (micro-batch 1, with accumulation) was traced already, it is the line's low point and only the largest
+        micro-batch is traced; where that least need does not fit, nothing more is traced: no split fits."""
         if family.optimizer_in_backward:
             self.lines[family] = _Line(self.exact(family, self.effective), None)
             self.costs[family] = self.step_cost(family, self.lines[family].low)
             self.predict(family, self.effective)
             return
         accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
-        least = self.traced(family, 1, accumulate=bool(accumulated)) if self.least_decides(family) else None
-        if least is not None:  # its least need, traced already (a stage's): when it does not fit, none does
+        least = self.traced(family, 1, accumulate=True) if accumulated else None
+        if least is not None and self.least_decides(family):  # a stage's least need: when it does not fit, none does
             self.lines[family], self.costs[family] = _Line(least, None), self.step_cost(family, least)
             if not self.predict(family, 1).fits:  # a larger micro-batch keeps more
                 return
         if accumulated:
-            self.prefetch(self.line_request(family, micro) for micro in accumulated[:2])
-            traces = [self.line_point(family, micro) for micro in accumulated[:2]]
+            points = self.line_micros(family)
+            self.prefetch(self.line_request(family, micro) for micro in points)
+            traces = sorted([*(self.line_point(family, micro) for micro in points), *([least] if least else [])],
+                            key=lambda trace: -trace.micro_batch_size)
             self.lines[family] = _Line(traces[-1], traces[0] if len(traces) > 1 else None)
         else:  # an effective batch of 1: one setup, traced exactly
             self.lines[family] = _Line(self.exact(family, 1), None)
@@ -301,7 +339,9 @@ class Search:
                              and family not in self.ruled_out
                              and self.lower_bound_seconds(family) < best_seconds * (1 - 1e-9)]
             if open_families:
-                self.fit(min(open_families, key=lambda f: (self.lower_bound_seconds(f), order[f])))
+                ranked = sorted(open_families, key=lambda f: (self.lower_bound_seconds(f), order[f]))
+                self.prefetch(self._ahead(ranked))
+                self.fit(ranked[0])
                 continue
             if not self.confirm():
                 return

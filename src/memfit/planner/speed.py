@@ -83,7 +83,7 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
     if group < world_size:  # HSDP: each rank's gradient shard all-reduced across the groups too
         replicas = world_size // group
         across = profile.link_bandwidth if per_node is None or per_node >= world_size else \
-            min(profile.link_bandwidth, profile.node_bandwidth / min(group, per_node))  # a machine's ranks share it
+            min(profile.link_bandwidth, profile.node_bandwidth / per_node)  # every rank of a machine sends its shard
         communication += 2 * _share(replicas) * gradients / group / across
     traffic /= group  # each rank steps its shard
     if strategy == "fsdp-offload":

@@ -194,7 +194,8 @@ function renderPlan(made) {
   made.candidates.forEach((candidate, index) => {
     const row = el("tr");
     if (JSON.stringify(candidate) === chosen) row.className = "chosen";
-    const ranks = candidate.world_size > 1 ? `${candidate.distributed}: ` : "";
+    const strategy = candidate.shard_group ? `hsdp (groups of ${candidate.shard_group})` : candidate.distributed;
+    const ranks = candidate.world_size > 1 ? `${strategy}: ` : "";
     const optimizer = candidate.optimizer + (candidate.offload_optimizer ? " on the host" : "")
       + (candidate.freeze !== "none" ? `, freeze ${candidate.freeze}` : "")
       + (candidate.lora_rank ? `, ${candidate.quantize_base ? "QLoRA" : "LoRA"} r=${candidate.lora_rank}` : "");
