@@ -314,7 +314,8 @@ def finish(run: Run, started: float) -> Summary:
 
 def save_final_model(run: Run) -> None:
     """The fine-tuned model as a Hugging Face directory; distributed, gathered to rank 0 (a collective)."""
-    weights = distributed.full_state_dict(run.model) if run.world.distributed else None
+    adapters = bool(run.config.lora_rank) and run.world.strategy == "fsdp"  # saved alone: the base not gathered
+    weights = distributed.full_state_dict(run.model, trained_only=adapters) if run.world.distributed else None
     if run.world.is_main:
         saved: Any = distributed.unwrap(run.model)
         saved.save_pretrained(run.output_dir / "model", safe_serialization=True, state_dict=weights)

@@ -140,3 +140,22 @@ def test_a_decision_that_fails_on_rank_0_fails_on_every_rank(launcher_store: Any
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ConfigError, match="nothing fits 1 GiB"):
         distributed.decided_once("plan", lambda: pytest.fail("rank 1 decided"), encode=str, decode=int)
+
+
+def test_a_sharded_lora_run_gathers_its_trained_parameters_alone_for_saving() -> None:
+    """What rank 0 saves of an FSDP LoRA run: its adapters and head, gathered one by one, equal to the model's
+    own; the frozen base is never gathered (a 70B base would be 140 GB of host memory in 16 bits)."""
+    from memfit.techniques.lora import apply_lora
+
+    model = apply_lora(build_tiny_bert(), rank=4, alpha=8, dropout=0.0, targets=(), train_top_layers=None,
+                       frozen_dtype=None)
+    expected = {name: parameter.detach().clone() for name, parameter in model.named_parameters()
+                if parameter.requires_grad}
+    assert 0 < len(expected) < len(list(model.parameters()))
+    with distributed.process_group("fsdp", "cpu") as world:
+        sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
+        saved = distributed.full_state_dict(sharded, trained_only=True)
+        everything = distributed.full_state_dict(sharded)
+    assert saved.keys() == expected.keys() and len(everything) > len(saved)
+    for name, tensor in saved.items():
+        assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
