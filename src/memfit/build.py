@@ -286,7 +286,7 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
     model's structure, its weights not read (:mod:`memfit.rank0_load`)."""
     model: nn.Module = build_base(spec, seed=config.seed, label_names=label_names, pad_token_id=pad_token_id,
                                   task=task, weights=weights)
-    if not (config.lora_rank and low_dtype is not None):  # a LoRA base stored in 16 bits is loaded as saved
+    if not loads_as_saved(config, low_dtype):
         _in_fp32(model)  # a checkpoint (or a config) in bf16, a Hub LLM's: the fp32 weights the run updates
     if config.packing:  # transformers reads packed positions only in a forward without a KV cache
         disable_cache(model)
@@ -306,6 +306,12 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
     if weights_dtype is not None:
         cast_parameters(model, weights_dtype)
     return model
+
+
+def loads_as_saved(config: TrainConfig, low_dtype: torch.dtype | None) -> bool:
+    """Whether a run keeps its weights in the dtype they are saved in: a LoRA base stored in 16 bits anyway
+    (mixed precision); every other run trains fp32 weights, upcast from a 16-bit checkpoint."""
+    return bool(config.lora_rank) and low_dtype is not None
 
 
 def _in_fp32(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit.build import loads_as_saved
 from memfit.config import TrainConfig
 from memfit.distributed import any_rank, decided_once
 from memfit.errors import TrainingError
@@ -41,6 +42,21 @@ def loads_once(config: TrainConfig, spec: ModelSpec, strategy: str, world_size: 
     nor a checkpoint stored quantised, whose modules only its weights make)."""
     return strategy == "fsdp" and world_size > 1 and config.quantize_base == "none" and not config.cpu_offload \
         and getattr(spec.hf_config, "quantization_config", None) is None
+
+
+def load_host_bytes(config: TrainConfig, spec: ModelSpec, task: str, low_dtype: torch.dtype | None, *,
+                    strategy: str, ranks: int) -> int:
+    """Host memory one machine holds while its ``ranks`` build the model: each build's weights as loaded (as
+    saved, or in fp32: :func:`memfit.build.loads_as_saved`; a config without a dtype, a preset's, builds fp32),
+    on rank 0 alone where it reads for all (:func:`loads_once`), else on every rank (a QLoRA base is quantised
+    after it is loaded whole)."""
+    from memfit.memory.depth import parameter_count
+
+    saved = getattr(spec.hf_config, "dtype", None)
+    saved = getattr(torch, saved, None) if isinstance(saved, str) else saved
+    size = saved.itemsize if isinstance(saved, torch.dtype) and saved.is_floating_point else 4
+    builders = 1 if loads_once(config, spec, strategy, config.world_size) else ranks
+    return builders * parameter_count(spec, task) * (size if loads_as_saved(config, low_dtype) else 4)
 
 
 def build(make: Callable[[bool], nn.Module], *, main: bool, once: bool) -> nn.Module:

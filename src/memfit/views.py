@@ -196,6 +196,10 @@ def print_estimate(console: Console, result: Any) -> None:
     for name, value in (result.host_breakdown or {"offloaded_optimizer": result.host_bytes}).items():
         if value:  # at the host's peak, beside the card's
             table.add_row(f"host memory ({name.replace('_', ' ')})", format_bytes(value))
+    if result.load_host_bytes:  # before the first step: the model as its ranks build it
+        ranks = f", {result.world_size} ranks on one machine" if result.world_size > 1 else ""
+        table.add_row(f"host memory while loading ({result.distributed if ranks else 'one process'}{ranks})",
+                      format_bytes(result.load_host_bytes))
     console.print(table)
     phases = "  ".join(f"{name} {format_bytes(value)}" for name, value in result.phases.items())
     console.print(f"peak per phase: {phases}  (peak in {result.peak_phase})", soft_wrap=True)

@@ -103,7 +103,9 @@ def plan_from_json(made: Any) -> Any:
 @pytest.mark.slow
 def test_what_the_ranks_of_a_machine_offload_must_fit_its_host_memory(tmp_path: Path) -> None:
     """FSDP with CPU offload on two cards: each rank keeps its shards and optimizer state on the host, so one
-    machine holding both ranks needs twice one rank's host bytes; two machines of one GPU need one rank's."""
+    machine holding both ranks needs twice one rank's host bytes during the step, and before it both ranks build
+    the whole fp32 model (offloaded shards are not loaded once by rank 0): the larger of the two must fit. Two
+    machines of one GPU need one rank's."""
     model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
     base = TrainConfig(model=model, max_length=32, effective_batch=2, distributed="fsdp", cpu_offload=True)
     traces: dict[Any, Any] = {}
@@ -117,21 +119,25 @@ def test_what_the_ranks_of_a_machine_offload_must_fit_its_host_memory(tmp_path: 
     assert chosen is not None and chosen.family.strategy == "fsdp-offload" and chosen.exact
     per_rank = chosen.predicted_host_bytes
     assert per_rank == estimate(unchecked.to_config(), device="a100-80", seq_len=32).host_bytes > 0
-    assert f"and {format_bytes(2 * per_rank)} host memory per machine" in unchecked.verdict
-    exactly = planned(host_memory=2 * per_rank)
+    assert f"and {format_bytes(2 * per_rank)} host memory per machine" in unchecked.verdict  # unchecked: the step's
+    loading = 4 * chosen.parameters  # one rank's fp32 build
+    assert estimate(unchecked.to_config(), device="a100-80", seq_len=32).load_host_bytes == 2 * loading
+    need = max(2 * per_rank, 2 * loading)
+    exactly = planned(host_memory=need)
     assert exactly.chosen is not None and exactly.chosen.family == chosen.family
-    assert f"{format_bytes(2 * per_rank)} of {format_bytes(2 * per_rank)} host memory" in exactly.verdict
-    short = planned(host_memory=2 * per_rank - 1)
+    assert f"{format_bytes(need)} of {format_bytes(need)} host memory" in exactly.verdict
+    short = planned(host_memory=need - 1)
     assert short.chosen is None, short.verdict
-    assert short.verdict.startswith(f"nothing fits {format_bytes(2 * per_rank - 1)} of host memory per machine: "
+    assert short.verdict.startswith(f"nothing fits {format_bytes(need - 1)} of host memory per machine: "
                                     f"the setup that needs least on the card ({chosen.describe()}, "
                                     f"{format_bytes(chosen.predicted_peak_bytes or 0)}) keeps "
-                                    f"{format_bytes(2 * per_rank)} there"), short.verdict
+                                    f"{format_bytes(need)} there"), short.verdict
     held = [c for c in short.candidates if c.exact and c.family.opt_in is None and c.predicted_peak_bytes is not None
             and c.predicted_peak_bytes <= short.usable_bytes]  # the card holds them, the host does not
-    assert held and all(c.reason == f"host: needs {format_bytes(2 * c.predicted_host_bytes)} per machine, over "
-                                    f"{format_bytes(2 * per_rank - 1)}" for c in held), [c.reason for c in held]
-    apart = planned(host_memory=per_rank, gpus_per_node=1)  # one rank per machine
+    reasons = [c.reason for c in held]
+    assert held and reasons == [f"host: needs {format_bytes(max(2 * c.predicted_host_bytes, 2 * loading))} per "
+                                f"machine, over {format_bytes(need - 1)}" for c in held], reasons
+    apart = planned(host_memory=max(per_rank, loading), gpus_per_node=1)  # one rank per machine
     assert apart.chosen is not None and apart.chosen.family == chosen.family
 
 
@@ -180,3 +186,33 @@ def test_the_saved_plan_of_several_machines_says_the_launch_of_each(tmp_path: Pa
             f'"--rdzv-endpoint=${{MASTER_ADDR}}:29500" --rdzv-id=memfit -m memfit train --plan {saved}') in out
     made = load_plan(saved)
     assert made.gpus_per_node == 2 and made.chosen is not None and made.chosen.family.shard_group == 2
+
+
+def test_the_host_memory_of_loading_counts_each_build_on_the_machine(tmp_path: Path) -> None:
+    """A checkpoint saved in bf16: full fine-tuning builds it in fp32, a LoRA base under mixed precision stays as
+    saved; under FSDP rank 0 alone builds it, with DDP or a 4-bit base every rank does."""
+    import torch
+    import transformers
+
+    from memfit.models import resolve_model
+    from memfit.rank0_load import load_host_bytes
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm")
+    saved = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    saved.to(torch.bfloat16).save_pretrained(model)
+    parameters = sum(p.numel() for p in saved.parameters())
+    spec = resolve_model(str(model))
+
+    def loading(strategy: str, low: torch.dtype | None = None, **options: Any) -> int:
+        config = TrainConfig(model=str(model), task="causal-lm", distributed=strategy, world_size=2, **options)
+        return load_host_bytes(config, spec, "causal-lm", low, strategy=strategy, ranks=2)
+
+    assert loading("fsdp") == 4 * parameters  # rank 0 alone, fp32
+    assert loading("ddp") == 2 * 4 * parameters  # a replica each
+    assert loading("ddp", torch.bfloat16, lora_rank=4) == 2 * 2 * parameters  # the base as saved
+    assert loading("fsdp", torch.bfloat16, lora_rank=4) == 2 * parameters
+    assert loading("fsdp", torch.bfloat16, lora_rank=4, quantize_base="nf4") == 2 * 2 * parameters  # quantised after
+    config = TrainConfig(model=str(model), task="causal-lm", distributed="ddp", world_size=2, effective_batch=2,
+                         max_length=16, precision="fp32")
+    assert estimate(config, device="cpu", seq_len=16).load_host_bytes == 2 * 4 * parameters

@@ -152,7 +152,7 @@ def _structure(spec: ModelSpec, task: str) -> _Structure:
         from memfit.memory.build_values import no_init_weights
 
         with torch.device("meta"), no_init_weights():
-            model = build_base(spec, seed=0, label_names=["0", "1"], pad_token_id=0, task=task)
+            model = build_base(spec, seed=0, label_names=["0", "1"], pad_token_id=0, task=task, weights=False)
         try:
             blocks: list[nn.Module] | None = list(transformer_layers(model))
         except ConfigError:  # no list of repeated blocks at all

@@ -85,6 +85,7 @@ from memfit.models import (
     with_image_size,
 )
 from memfit.quiet import quiet_transformers, raised_loggers
+from memfit.rank0_load import load_host_bytes
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
 from memfit.support import architecture_problems, model_support
 from memfit.techniques.bf16_true import KAHAN_STATE
@@ -143,8 +144,7 @@ class Estimate(StepPeak):
     phase_ops: dict[str, int]
     """ATen ops per phase over the traced steps: forward and backward sum every micro-step's."""
     flops: int | None
-    """Matmul-class FLOPs of the traced steps (forward, backward, checkpointing's recompute), counted by
-    ``FlopCounterMode``; ``None`` unless asked for (``count_flops=True``)."""
+    """Matmul-class FLOPs of the traced steps (with checkpointing's recompute); with ``count_flops=True``."""
     dequantized_bytes: int | None
     """Bytes the traced steps read and write to dequantise 4-bit weights (QLoRA); with ``flops``."""
     trainable_parameters: int
@@ -160,20 +160,18 @@ class Estimate(StepPeak):
     """Samples the traced steps ran: ``flops / traced_samples`` is the FLOPs per sample."""
     seconds: float
     host_bytes: int = 0
-    """Host memory the step keeps besides the device's: an offloaded optimizer's copies of the trained weights
-    and gradients (pinned) and its state (``--offload-optimizer``), a micro-batch's offloaded activations
-    (``--offload-activations``), FSDP's parameter and gradient shards and the optimizer (``--cpu-offload``);
-    0 otherwise."""
+    """Host memory the step keeps (0 without offload): an offloaded optimizer's state and pinned copies, offloaded
+    activations, FSDP's offloaded shards and optimizer (:data:`HOST_CATEGORIES`)."""
     host_breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
     """``host_bytes`` by what holds them (:data:`HOST_CATEGORIES`) at the host's peak."""
     trace: str = "full trace"
-    """How the step was traced: in full (and why, where a shortened trace was refused), or which blocks and
-    micro-steps were traced and the rest replayed (:mod:`memfit.memory.repeats`)."""
+    """How the step was traced: in full (and why), or which blocks and micro-steps, the rest replayed."""
     timeline: dict[str, Any] | None = None
-    """With ``estimate(..., timeline=True)``: the allocated bytes over the traced steps (the workspaces and the
-    scaler's included, as in :attr:`peak_bytes`), each point labelled with its phase
-    (:func:`memfit.memory.monitor.timeline_record`'s form, that of ``memfit train --memory-timeline``). A
-    shortened trace's has the same events and peaks; frees that come together may come in another order."""
+    """With ``timeline=True``: allocated bytes over the traced steps, as in :attr:`peak_bytes`, each point with its
+    phase (``memfit train --memory-timeline``'s form); a shortened trace's may order simultaneous frees otherwise."""
+    load_host_bytes: int = 0
+    """Host memory of one machine while the ranks build the model, all on one machine
+    (:func:`memfit.rank0_load.load_host_bytes`: rank 0 alone reads under FSDP)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -287,6 +285,8 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         distributed=strategy, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
         seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes,
         host_breakdown={name: tracker.host_peak_breakdown.get(name, 0) for name in HOST_CATEGORIES},
+        load_host_bytes=load_host_bytes(config, trace.spec, trace.task, Precision(trace.precision, "cpu").low_dtype,
+                                        strategy=strategy, ranks=config.world_size if strategy != "none" else 1),
         timeline=None if events is None else timeline_record([(live + extra, phase) for live, phase in events]))
 
 

@@ -76,7 +76,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
                      num_labels=num_labels, cache=cache, exact_trace=exact_trace, progress=progress,
-                     per_node=gpus_per_node, host_memory=host_bytes)
+                     per_node=gpus_per_node, host_memory=host_bytes, spec=inputs.spec, task=inputs.task)
     chosen_precisions = _fastest_first(profile, precisions)
     chosen, smallest = _neutral(search, base, profile, chosen_precisions, spec, inputs.task)
     advice: list[Advice] = []

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile
@@ -17,6 +17,11 @@ from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
 from memfit.planner.workers import side_by_side, side_by_side_usable, worker_count
+from memfit.rank0_load import load_host_bytes
+from memfit.techniques.precision import Precision
+
+if TYPE_CHECKING:
+    from memfit.models import ModelSpec
 
 BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
@@ -65,12 +70,16 @@ class Search:
     def __init__(self, base: TrainConfig, profile: DeviceProfile, *, usable_bytes: int, seq_len: int | None,
                  image_size: int | None, num_labels: int, cache: dict[Any, Estimate] | None = None,
                  exact_trace: bool = False, progress: Callable[[str], None] | None = None,
-                 per_node: int | None = None, host_memory: int | None = None) -> None:
+                 per_node: int | None = None, host_memory: int | None = None, spec: ModelSpec | None = None,
+                 task: str | None = None) -> None:
         self.base, self.profile, self.usable = base, profile, usable_bytes
         self.per_node = per_node if per_node is not None and per_node < base.world_size else None
         """GPUs per machine where the plan's fill several (``None``: all on one)."""
         self.host_memory = host_memory
-        """Host memory of one machine a setup's offloaded bytes must fit (``None``: not checked)."""
+        """Host memory of one machine a setup's offloaded bytes, and its model while loaded, must fit (``None``:
+        not checked)."""
+        self.spec, self.task = spec, task
+        self.loads: dict[Family, int] = {}
         self.exact_trace = exact_trace
         """Trace every step in full (``--exact-trace``) rather than a shortened trace replayed at full length."""
         self.progress = progress
@@ -311,8 +320,17 @@ class Search:
                 "shard_group": family.shard_group or self.base.shard_group}
 
     def host_per_node(self, family: Family, host_bytes: int) -> int:
-        """Host bytes one machine holds for ``family``: each of its ranks' (``host_bytes`` per rank)."""
-        return host_bytes * min(self.ranks(family), self.per_node or self.ranks(family))
+        """Host bytes one machine holds for ``family``: each of its ranks' step (``host_bytes`` per rank), or,
+        where the host memory is checked, its model while the ranks load it if that is more."""
+        ranks = min(self.ranks(family), self.per_node or self.ranks(family))
+        if self.host_memory is None or self.spec is None or self.task is None:
+            return host_bytes * ranks
+        if family not in self.loads:
+            config = family.configure(self.base, micro_batch_size=1, effective_batch=self.global_batch)
+            self.loads[family] = load_host_bytes(config, self.spec, self.task,
+                                                 Precision(family.precision, self.profile.kind).low_dtype,
+                                                 strategy=config.distributed, ranks=ranks)
+        return max(host_bytes * ranks, self.loads[family])
 
     def host_fits(self, family: Family, host_bytes: int) -> bool:
         """Whether one machine's host memory holds what ``family`` keeps there (always, unchecked)."""
