@@ -41,7 +41,7 @@ from memfit.support import architecture_problems
 from memfit.techniques.bf16_true import cast_parameters, uses_kahan
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.freezing import apply_freezing
-from memfit.techniques.lora import apply_lora
+from memfit.techniques.lora import apply_lora, settle_as_stored
 from memfit.techniques.offload_activations import activation_offload_problems
 from memfit.techniques.optim import build_optimizer, optimizer_problems, step_kernels
 from memfit.techniques.precision import Precision, resolve_precision
@@ -303,6 +303,9 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
         targets = tuple(name.strip() for name in (config.lora_targets or "").split(",") if name.strip())
         model = apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
                            targets=targets, train_top_layers=config.train_top_layers, frozen_dtype=low_dtype)
+    if loads_as_saved(config, low_dtype):
+        assert low_dtype is not None
+        settle_as_stored(model, low_dtype)  # a 16-bit checkpoint's trained head and norms in fp32, as an fp32 load's
     if weights_dtype is not None:
         cast_parameters(model, weights_dtype)
     return model
@@ -315,11 +318,16 @@ def loads_as_saved(config: TrainConfig, low_dtype: torch.dtype | None) -> bool:
 
 
 def _in_fp32(model: nn.Module) -> None:
-    """Every 16-bit floating-point parameter of ``model`` stored in fp32, in place (a tied weight once)."""
+    """Every 16-bit floating-point parameter and buffer of ``model`` in fp32, in place (a tied weight once; a
+    batch norm's running statistics too, which its fp32 forward reads)."""
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dtype in (torch.bfloat16, torch.float16):
                 parameter.data = parameter.data.float()
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.dtype in (torch.bfloat16, torch.float16):
+                    setattr(module, name, buffer.float())
 
 
 def build_optimizer_for(model: nn.Module, config: TrainConfig, *,

@@ -363,6 +363,8 @@ def full_state_dict(model: nn.Module, *, trained_only: bool = False) -> dict[str
     gathered: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():  # the same order on every rank: each gather a collective
         if name in trained:
+            if isinstance(value, DTensor) and value.device.type != value.device_mesh.device_type:
+                value = value.to(value.device_mesh.device_type)  # offloaded shards: gathered on the mesh's device
             whole = value.full_tensor() if isinstance(value, DTensor) else value
             if dist.get_rank() == 0:
                 gathered[name] = whole.detach().to("cpu", copy=True)

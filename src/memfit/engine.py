@@ -321,7 +321,7 @@ def save_final_model(run: Run) -> None:
         saved.save_pretrained(run.output_dir / "model", safe_serialization=True, state_dict=weights)
         if run.prepared.tokenizer is not None:
             run.prepared.tokenizer.save_pretrained(run.output_dir / "model")
-        if run.config.merge:  # the adapter, merged into the base as it was loaded (fp32, not quantised)
+        if run.config.merge:  # the adapter merged into the base as loaded (its saved dtype, not quantised)
             save_merged(run.output_dir / "model", build_base_for(run.prepared), run.output_dir / "model" / "merged")
             if run.prepared.tokenizer is not None:
                 run.prepared.tokenizer.save_pretrained(run.output_dir / "model" / "merged")

@@ -306,6 +306,9 @@ def build_model(spec: ModelSpec, *, label_names: list[str], pad_token_id: int | 
     auto_class = (transformers.AutoModelForImageClassification if spec.modality == "vision"
                   else transformers.AutoModelForSequenceClassification)
     if spec.weights_dir is not None:
+        if pad_token_id is not None and spec.modality == "text" and getattr(spec.hf_config, "pad_token_id",
+                                                                              None) is None:
+            head_kwargs["pad_token_id"] = pad_token_id  # a decoder's head pools each row at its last non-pad token
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if not weights:  # its structure: the modules from_pretrained builds, from the same config

@@ -88,6 +88,8 @@ def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module],
 
     full = model.state_dict() if main else {}  # rank 0's tensors, kept until broadcast
     manifest: Manifest = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in full.items()}
+    manifest.update({f"buffer:{name}": (tuple(buffer.shape), buffer.dtype) for name, buffer in model.named_buffers()
+                     if main})  # every buffer is broadcast, the non-persistent ones too
     shared: list[Any] = [manifest]
     dist.broadcast_object_list(shared, src=0)
     problem = None if main else _match(model, shared[0])
@@ -110,7 +112,8 @@ def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module],
 def _match(model: nn.Module, manifest: Manifest) -> str | None:
     """The meta model given rank 0's dtypes (a checkpoint may load in its own: ``dtype="auto"``); or, where its
     structure differs from rank 0's (a defect), what differs."""
-    tensors = model.state_dict(keep_vars=True)
+    tensors = {**model.state_dict(keep_vars=True),
+               **{f"buffer:{name}": buffer for name, buffer in model.named_buffers()}}
     differs = sorted(set(tensors) ^ set(manifest)) or [name for name, (shape, _) in manifest.items()
                                                         if tuple(tensors[name].shape) != shape]
     if differs:
@@ -118,6 +121,6 @@ def _match(model: nn.Module, manifest: Manifest) -> str | None:
                 "with the model and the command")
     for name, (_, dtype) in manifest.items():
         tensor = tensors[name]
-        if tensor.dtype != dtype:
+        if tensor.dtype != dtype:  # a buffer's data too: its module keeps the same tensor object
             tensor.data = tensor.data.to(dtype)
     return None

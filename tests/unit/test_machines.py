@@ -216,3 +216,14 @@ def test_the_host_memory_of_loading_counts_each_build_on_the_machine(tmp_path: P
     config = TrainConfig(model=str(model), task="causal-lm", distributed="ddp", world_size=2, effective_batch=2,
                          max_length=16, precision="fp32")
     assert estimate(config, device="cpu", seq_len=16).load_host_bytes == 2 * 4 * parameters
+
+
+def test_offloaded_activations_cost_what_their_samples_save_whatever_the_split() -> None:
+    """The host traffic of offloaded activations is per sample (traced at any micro-batch, a line's low point
+    being micro-batch 1): a window of 8 samples moves the same bytes in 1 or 8 micro-steps."""
+    card = resolve_profile("4090")
+    offloaded = dataclasses.replace(COST, offloaded_bytes_per_sample=1e6)
+    for steps in (1, 8):
+        added = step_seconds(offloaded, card, "fp32", effective_batch=8, accumulation_steps=steps) \
+            - step_seconds(COST, card, "fp32", effective_batch=8, accumulation_steps=steps)
+        assert added == pytest.approx(2 * 8 * 1e6 / card.host_bandwidth)

@@ -97,10 +97,52 @@ def test_weights_saved_in_bf16_are_trained_in_fp32_as_the_estimate_counts_them(t
                                atol=0)
     assert estimate(config, device="cpu", seq_len=16).breakdown["parameters"] == 4 * sum(
         parameter.numel() for parameter in built.parameters())
-    lora = build_with_techniques(spec, TrainConfig(model=str(model), task=task, lora_rank=4, precision="bf16"),
-                                 label_names=["a", "b"], pad_token_id=0, task=task, low_dtype=torch.bfloat16)
-    frozen = {parameter.dtype for parameter in lora.parameters() if not parameter.requires_grad}
-    assert frozen == {torch.bfloat16}
+
+    def layout(directory: Path, saved_dtype: torch.dtype, low: torch.dtype) -> dict[str, torch.dtype]:
+        saved.to(saved_dtype).save_pretrained(directory)
+        lora = build_with_techniques(resolve_model(str(directory)), TrainConfig(
+            model=str(directory), task=task, lora_rank=4, precision="bf16" if low == torch.bfloat16 else "fp16"),
+            label_names=["a", "b"], pad_token_id=0, task=task, low_dtype=low)
+        return {name: parameter.dtype for name, parameter in lora.named_parameters()}
+
+    # a LoRA base kept in 16 bits loads as saved, laid out as an fp32 checkpoint's: frozen weights in the run's
+    # 16 bits, the adapters, a trained head and the norms in fp32 (an fp16 head under fp16 fails to unscale)
+    expected = layout(tmp_path / "fp32", torch.float32, torch.float16)
+    assert {dtype for dtype in expected.values()} == {torch.float16, torch.float32}
+    assert layout(tmp_path / "fp16", torch.float16, torch.float16) == expected
+    assert layout(model, torch.bfloat16, torch.float16) == expected
+
+
+def test_a_16_bit_vision_checkpoint_keeps_its_batch_norm_statistics_in_fp32(tmp_path: Path) -> None:
+    import torch
+
+    from memfit.build import build_with_techniques
+    from memfit.config import TrainConfig
+
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2,
+                                       image_size=32)
+    transformers.ResNetForImageClassification(config).to(torch.float16).save_pretrained(tmp_path / "resnet")
+    run = TrainConfig(model=str(tmp_path / "resnet"), precision="fp32")
+    built = build_with_techniques(resolve_model(str(tmp_path / "resnet")), run, label_names=["a", "b"],
+                                  pad_token_id=None)
+    assert {tensor.dtype for tensor in [*built.parameters(), *built.buffers()] if tensor.is_floating_point()} == {
+        torch.float32}
+    built(pixel_values=torch.zeros(1, 3, 32, 32))  # a 16-bit running mean fails an fp32 batch norm
+
+
+def test_a_pretrained_decoder_without_a_pad_id_takes_the_tokenizers_for_classification(tmp_path: Path) -> None:
+    """Its head pools each row at the last token that is not padding: without a pad id, a batch of 2 fails."""
+    import torch
+
+    from tests.conftest import write_tiny_llm
+
+    model = write_tiny_llm(tmp_path / "llm")
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model)).save_pretrained(
+        model)
+    assert json.loads((model / "config.json").read_text()).get("pad_token_id") is None
+    classifier = build_model(resolve_model(str(model)), label_names=["a", "b"], pad_token_id=0)
+    assert classifier.config.pad_token_id == 0
+    classifier(input_ids=torch.tensor([[5, 6, 0], [5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
 
 
 @pytest.mark.parametrize(("config", "layers", "embedding_names"), [

@@ -40,7 +40,7 @@ Cost model (all of it):
              + k·D / BW                                       QLoRA: D = bytes read and written per
                                                                micro-step to dequantise the 4-bit weights
                                                                (forward, backward, recompute), traced
-             + k·2·A / host                                   offloaded activations: A bytes a micro-step
+             + E·2·a / host                                   offloaded activations: a bytes a sample
                                                                saves, out and back over the host link
                (bf16-true: half the optimizer traffic, + 10 bytes per parameter with Kahan; paged 8-bit
                states: + 4 bytes per parameter over the host link)

@@ -202,6 +202,9 @@ class Search:
             return [self.exact_request(family, self.effective)]
         if not any(math.ceil(self.effective / micro) > 1 for micro in self.micros):
             return [self.exact_request(family, 1)]
+        least = self.cache.get(self._request(family, 1, accumulate=True, lean=False)[1])
+        if least is not None and self.least_decides(family) and least.total_bytes > self.usable:
+            return []  # its fit ends at its least need, which does not fit
         return [self.line_request(family, micro) for micro in self.line_micros(family)]
 
     def exact_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:

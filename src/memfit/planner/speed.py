@@ -33,8 +33,9 @@ class StepCost:
     parameters: int = 0
     dequantized_bytes_per_micro_step: float = 0.0
     """QLoRA: bytes read and written to dequantise the 4-bit weights in one forward and backward."""
-    offloaded_bytes_per_micro_step: float = 0.0
-    """``--offload-activations``: the saved activations one micro-step moves to the host (and back)."""
+    offloaded_bytes_per_sample: float = 0.0
+    """``--offload-activations``: the saved activations one sample moves to the host (and back); a micro-step's
+    grow with its micro-batch, whichever micro-batch the cost was traced at."""
 
     @classmethod
     def of(cls, trace: Estimate) -> StepCost:
@@ -46,7 +47,8 @@ class StepCost:
                    ops_per_optimizer_step=ops.get("optimizer", 0) / STEPS,
                    trainable_parameters=trace.trainable_parameters, parameters=trace.parameters,
                    dequantized_bytes_per_micro_step=(trace.dequantized_bytes or 0) / micro_steps,
-                   offloaded_bytes_per_micro_step=trace.host_breakdown.get("offloaded_activations", 0))
+                   offloaded_bytes_per_sample=trace.host_breakdown.get("offloaded_activations", 0)
+                   / trace.micro_batch_size)
 
 
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
@@ -71,7 +73,7 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
                                                  + BYTES_PER_TRAINED_PARAMETER / HOST_MEMORY_BANDWIDTH)
     traffic = optimizer + accumulation_steps * cost.dequantized_bytes_per_micro_step / profile.memory_bandwidth
     # offloaded activations cross the host link twice (out in forward, back in backward), not overlapped
-    traffic += accumulation_steps * 2 * cost.offloaded_bytes_per_micro_step / profile.host_bandwidth
+    traffic += effective_batch * 2 * cost.offloaded_bytes_per_sample / profile.host_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
     gradients = 4 * cost.trainable_parameters

@@ -158,6 +158,25 @@ def stored_in_16_bits(module: nn.Module, name: str, parameter: nn.Parameter) -> 
     return isinstance(module, nn.Linear | nn.Embedding) or is_expert_weight(module, name, parameter)
 
 
+def settle_as_stored(model: nn.Module, dtype: torch.dtype) -> None:
+    """A base loaded in its saved 16-bit dtype, laid out as an fp32 build after :func:`store_frozen`: frozen
+    Linear, embedding and expert weights in ``dtype``; every other floating-point parameter (adapters, a trained
+    head, norms, biases) and buffer in fp32. Without an fp32 copy of the whole model at load."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, parameter in module.named_parameters(recurse=False):
+                if not parameter.is_floating_point():  # a 4-bit base's packed storage
+                    continue
+                weight = not parameter.requires_grad and (isinstance(module, nn.Linear | nn.Embedding)
+                                                          or is_expert_weight(module, name, parameter))
+                target = dtype if weight else torch.float32
+                if parameter.dtype != target:
+                    parameter.data = parameter.data.to(target)
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.dtype in (torch.bfloat16, torch.float16):
+                    setattr(module, name, buffer.float())
+
+
 def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
@@ -171,7 +190,7 @@ def save_merged(adapter_dir: Path, base: nn.Module, directory: Path) -> None:
 def merge_adapter(adapter_dir: Path, base: nn.Module) -> Any:
     """``base`` with the adapter saved in ``adapter_dir`` merged into its weights, through PEFT's own loader.
 
-    ``base`` is the model as built before any technique, in its own precision (fp32), not quantised: a QLoRA
+    ``base`` is the model as built before any technique, in its saved dtype, not quantised: a QLoRA
     adapter is merged into the original weights, as it would be deployed."""
     with quiet_peft():
         from peft import PeftModel
