@@ -287,7 +287,7 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
     model: nn.Module = build_base(spec, seed=config.seed, label_names=label_names, pad_token_id=pad_token_id,
                                   task=task, weights=weights)
     if not loads_as_saved(config, low_dtype):
-        _in_fp32(model)  # a checkpoint (or a config) in bf16, a Hub LLM's: the fp32 weights the run updates
+        settle_as_stored(model, None)  # a checkpoint (or a config) in bf16, a Hub LLM's: the fp32 weights trained
     if config.packing:  # transformers reads packed positions only in a forward without a KV cache
         disable_cache(model)
     if is_encoder_decoder(spec) and task != "causal-lm":  # a training forward needs no KV cache: an encoder-
@@ -304,7 +304,6 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
         model = apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
                            targets=targets, train_top_layers=config.train_top_layers, frozen_dtype=low_dtype)
     if loads_as_saved(config, low_dtype):
-        assert low_dtype is not None
         settle_as_stored(model, low_dtype)  # a 16-bit checkpoint's trained head and norms in fp32, as an fp32 load's
     if weights_dtype is not None:
         cast_parameters(model, weights_dtype)
@@ -315,19 +314,6 @@ def loads_as_saved(config: TrainConfig, low_dtype: torch.dtype | None) -> bool:
     """Whether a run keeps its weights in the dtype they are saved in: a LoRA base stored in 16 bits anyway
     (mixed precision); every other run trains fp32 weights, upcast from a 16-bit checkpoint."""
     return bool(config.lora_rank) and low_dtype is not None
-
-
-def _in_fp32(model: nn.Module) -> None:
-    """Every 16-bit floating-point parameter and buffer of ``model`` in fp32, in place (a tied weight once; a
-    batch norm's running statistics too, which its fp32 forward reads)."""
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dtype in (torch.bfloat16, torch.float16):
-                parameter.data = parameter.data.float()
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer.dtype in (torch.bfloat16, torch.float16):
-                    setattr(module, name, buffer.float())
 
 
 def build_optimizer_for(model: nn.Module, config: TrainConfig, *,

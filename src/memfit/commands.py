@@ -23,6 +23,11 @@ each before running the command) and torchrun's default port."""
 def train_words(config: TrainConfig, per_node: int | None = None) -> list[str]:
     """``memfit train`` and the options that make ``config`` (``torchrun ... -m memfit train`` for several
     ranks; ``per_node``: the ranks of one machine, where they fill several)."""
+    return [*launcher(config.world_size, per_node), "train", *_train_options(config)]
+
+
+def _train_options(config: TrainConfig) -> list[str]:
+    """The ``memfit train`` options that make ``config`` (each one that differs from its default)."""
     parser = commands(build_parser())["train"]
     defaults = TrainConfig().to_dict()
     words: list[str] = []
@@ -32,7 +37,7 @@ def train_words(config: TrainConfig, per_node: int | None = None) -> list[str]:
         value = getattr(config, action.dest)
         if value != defaults[action.dest]:
             words += _option(action, value)
-    return [*launcher(config.world_size, per_node), "train", *words]
+    return words
 
 
 def launcher(ranks: int, per_node: int | None = None) -> list[str]:
@@ -54,9 +59,8 @@ def launch_line(ranks: int, per_node: int | None = None) -> str:
 
 def train_command(config: TrainConfig, per_node: int | None = None) -> str:
     """:func:`train_words` as one shell line."""
-    words = train_words(config, per_node)
-    start = words.index("train")
-    return " ".join([launch_line(config.world_size, per_node), *(shlex.quote(word) for word in words[start:])])
+    options = (shlex.quote(word) for word in _train_options(config))
+    return " ".join([launch_line(config.world_size, per_node), "train", *options])
 
 
 def _option(action: argparse.Action, value: Any) -> list[str]:

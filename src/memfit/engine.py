@@ -338,7 +338,7 @@ def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, wor
         return distributed.wrap(built, world, low_precision=prepared.precision.low_dtype, device=device)
 
     try:
-        if checkpoint is not None and not checkpoint.sharded and (world.is_main or not once):
+        if checkpoint is not None and not checkpoint.sharded:  # one process only (checkpointer.open_run_dir)
             checkpoint.load_weights(model)
         if once:
             model = rank0_load.shard_from_rank_0(model, wrap, main=world.is_main, device=device)

@@ -158,10 +158,11 @@ def stored_in_16_bits(module: nn.Module, name: str, parameter: nn.Parameter) -> 
     return isinstance(module, nn.Linear | nn.Embedding) or is_expert_weight(module, name, parameter)
 
 
-def settle_as_stored(model: nn.Module, dtype: torch.dtype) -> None:
-    """A base loaded in its saved 16-bit dtype, laid out as an fp32 build after :func:`store_frozen`: frozen
-    Linear, embedding and expert weights in ``dtype``; every other floating-point parameter (adapters, a trained
-    head, norms, biases) and buffer in fp32. Without an fp32 copy of the whole model at load."""
+def settle_as_stored(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """A model loaded in its saved (maybe 16-bit) dtype, laid out as an fp32 build after :func:`store_frozen`:
+    frozen Linear, embedding and expert weights in ``dtype`` (``None``: fp32, every weight); every other
+    floating-point parameter (adapters, a trained head, norms, biases) and 16-bit buffer (a batch norm's
+    statistics) in fp32. Without an fp32 copy of the whole model at load where ``dtype`` is 16-bit."""
     with torch.no_grad():
         for module in model.modules():
             for name, parameter in module.named_parameters(recurse=False):
@@ -169,7 +170,7 @@ def settle_as_stored(model: nn.Module, dtype: torch.dtype) -> None:
                     continue
                 weight = not parameter.requires_grad and (isinstance(module, nn.Linear | nn.Embedding)
                                                           or is_expert_weight(module, name, parameter))
-                target = dtype if weight else torch.float32
+                target = dtype if weight and dtype is not None else torch.float32
                 if parameter.dtype != target:
                     parameter.data = parameter.data.to(target)
             for name, buffer in module.named_buffers(recurse=False):
