@@ -248,6 +248,9 @@ class TrainConfig:
     shard_group: int | None = None
     """FSDP only: shard within groups of this many ranks and replicate across the groups (HSDP: the GPUs of one
     node, so only gradients cross nodes); ``None``: shard across every rank."""
+    reduce_every_micro_step: bool = False
+    """FSDP only: reduce-scatter the gradients in every micro-step's backward, not only in the window's last, so
+    they stay sharded between micro-steps (:func:`memfit.distributed.micro_step_sync`)."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Reserved for forward-compatible keys; must stay empty."""
@@ -528,6 +531,9 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
         problems.add(f"--world-size {config.world_size} needs --distributed ddp, fsdp or auto")
     if config.cpu_offload and config.distributed not in ("fsdp", "auto"):
         problems.add("--cpu-offload offloads FSDP shards; use it with --distributed fsdp")
+    if config.reduce_every_micro_step and config.distributed not in ("fsdp", "auto"):
+        problems.add("--reduce-every-micro-step keeps FSDP's gradients sharded between micro-steps; use it with "
+                     "--distributed fsdp (DDP keeps every gradient in its buckets anyway)")
     if (group := config.shard_group) is not None:
         if config.distributed != "fsdp":
             problems.add("--shard-group shards FSDP's parameters within groups of ranks; use it with --distributed "

@@ -21,7 +21,8 @@ Rules every rank follows, so the ranks never disagree:
   rank's loss is its share of the window's summed loss, scaled by N because DDP and FSDP average gradients:
   the averaged gradient is exactly the single-process window gradient.
 - Gradients are synchronised once per optimizer step, in the window's last backward (:func:`gradient_sync`:
-  ``no_sync()`` for DDP, ``set_requires_gradient_sync(False)`` for FSDP2 on the others).
+  ``no_sync()`` for DDP, ``set_requires_gradient_sync(False)`` for FSDP2 on the others), or under FSDP2 with
+  ``reduce_every_micro_step`` in every backward, so they stay sharded (:func:`micro_step_sync`).
 - A stop signal received by any rank is agreed on at the next window boundary (one all-reduce of one number
   per window, :func:`any_rank`), so all ranks save the same checkpoint and exit together.
 - Rank 0 alone prints and writes metrics, the summary and the model.
@@ -68,6 +69,8 @@ class World:
     cpu_offload: bool = False
     shard_group: int | None = None
     """FSDP: ranks per group that shards (HSDP: replicated across the groups); ``None``: all of them."""
+    reduce_every_micro_step: bool = False
+    """FSDP: gradients reduced in every micro-step (:func:`micro_step_sync`)."""
     allreduce_seconds: float = 0.0
     """DDP only: summed time the gradient buckets spent in flight (launch to completion), overlapping
     backward; the part backward does not hide is what the scaling benchmark measures."""
@@ -166,7 +169,7 @@ def replica_config(config: TrainConfig) -> TrainConfig:
 
 @contextlib.contextmanager
 def process_group(strategy: str, device_type: str, *, cpu_offload: bool = False,
-                  shard_group: int | None = None) -> Iterator[World]:
+                  shard_group: int | None = None, reduce_every_micro_step: bool = False) -> Iterator[World]:
     """The run's world: the default process group of a torchrun launch (NCCL on CUDA, gloo on CPU).
 
     Without torchrun a distributed strategy runs as a world of one (a real process group over an in-memory
@@ -187,7 +190,8 @@ def process_group(strategy: str, device_type: str, *, cpu_offload: bool = False,
                                 timeout=TIMEOUT)
     try:
         yield World(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=local_rank, cpu_offload=cpu_offload, shard_group=shard_group)
+                    local_rank=local_rank, cpu_offload=cpu_offload, shard_group=shard_group,
+                    reduce_every_micro_step=reduce_every_micro_step and strategy == "fsdp")
     finally:
         dist.destroy_process_group()
 
@@ -297,6 +301,18 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     if set_sync is not None:  # FSDP2
         set_sync(enabled)
     yield
+
+
+def micro_step_sync(model: nn.Module, *, every: bool) -> Callable[[bool], contextlib.AbstractContextManager[None]]:
+    """What wraps each micro-step of a window (given whether it is the window's last): gradients reduced in the
+    last backward only, or, with ``every`` (FSDP2), in each.
+
+    Trade-off: reduced only at the end, FSDP2 accumulates every parameter's *unsharded* gradient until the
+    window's last backward (a whole model's gradients on each rank, as DDP keeps them), for one reduce-scatter
+    per window. Reduced in every micro-step, each block's unsharded gradient is reduce-scattered and freed as
+    backward leaves it, and the shards accumulate: 1/N of the gradients stay, for one reduce-scatter per
+    micro-step (and with HSDP one all-reduce of each shard across the groups)."""
+    return lambda last: gradient_sync(model, last or every)
 
 
 def rank_chunks(indices: list[int], size: int, world: World) -> tuple[list[list[int]], int]:

@@ -203,6 +203,8 @@ def _rank_options(parser: argparse.ArgumentParser, defaults: TrainConfig, *, for
     if for_estimate:
         ranks.add_argument("--world-size", type=int, help="ranks to estimate one rank's peak for [1]")
     _bool_flag(ranks, "cpu-offload", "fsdp: keep parameter shards and the optimizer step on the host")
+    _bool_flag(ranks, "reduce-every-micro-step", "fsdp: reduce-scatter the gradients in every micro-step, not only "
+                                                 "the window's last: they stay sharded (less memory, more traffic)")
     ranks.add_argument("--shard-group", type=int, metavar="N",
                        help="fsdp: shard within groups of N ranks and replicate across them (HSDP; N = the GPUs of "
                             "one node) [every rank]")

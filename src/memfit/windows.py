@@ -10,7 +10,6 @@ several. The engine picks its runner once, when it builds the run, so the loop h
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -97,18 +96,19 @@ class RankWindows(LocalWindows):
         self.world = world
 
     def run(self, window: list[int], size: int, partial: PartialWindow | None) -> WindowResult:
-        """This rank's share of the window, gradients reduced in its last backward; the loss is averaged over
-        the ranks. Sequence- and image-level heads have one labelled item per sample, so the window's item
-        count over all ranks is its length, known to every rank without a collective; token-level labels (a
-        causal LM's completion tokens) are counted on each rank and summed over the ranks (one all-reduce)."""
+        """This rank's share of the window, gradients reduced in its last backward (or in each, with FSDP's
+        ``reduce_every_micro_step``); the loss is averaged over the ranks. Sequence- and image-level heads have
+        one labelled item per sample, so the window's item count over all ranks is its length, known to every
+        rank without a collective; token-level labels (a causal LM's completion tokens) are counted on each rank
+        and summed over the ranks (one all-reduce)."""
         micro_batches = rank_batches(self.encoder, window, size, self.world)
         items = len(window)
         if micro_batches and micro_batches[0]["labels"].dim() == 2:  # token-level: the ranks' counts, summed
             items = int(self.total([float(sum(item_count(batch) for batch in micro_batches))])[0])
         loss, done = accumulate_window(self.model, micro_batches, items / self.world.world_size,
                                        precision=self.precision, scaler=self.scaler, device=self.device,
-                                       phases=self.phases, sync=functools.partial(distributed.gradient_sync,
-                                                                                  self.model),
+                                       phases=self.phases, sync=distributed.micro_step_sync(
+                                           self.model, every=self.world.reduce_every_micro_step),
                                        loss_chunk=self.loss_chunk, saved_tensors=self.offload)
         return WindowResult(distributed.mean_over_ranks(loss), items, done, len(micro_batches))
 

@@ -142,6 +142,22 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path
     assert summary["per_rank_built_bytes"][0] > 0 and summary["per_rank_built_bytes"][1:] == [0]
 
 
+def test_fsdp_reducing_every_micro_step_trains_what_one_process_trains_in_less_memory(
+        task: tuple[Path, Path], single: Path, work: Path, fsdp_run: tuple[Path, dict[str, Any]]) -> None:
+    """Gradients reduce-scattered in each of the window's 2 micro-steps stay sharded between them: the same
+    training, each rank's peak the estimate's, below the run that reduces in the last micro-step only."""
+    out = work / "fsdp-every"
+    result = torchrun(train_args(task, out, "--distributed", "fsdp", "--reduce-every-micro-step", "--json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_of(result)
+    assert (summary["micro_batch_size"], summary["accumulation_steps"]) == (2, 2)
+    assert_weights_close(out, single, atol=1e-6)
+    predicted = per_rank_estimate(task, "fsdp", reduce_every_micro_step=True)
+    assert predicted < per_rank_estimate(task, "fsdp")
+    assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]))
+    assert max(summary["per_rank_training_peak_bytes"]) < min(fsdp_run[1]["per_rank_training_peak_bytes"])
+
+
 def test_sigterm_to_one_rank_stops_both_and_the_sharded_checkpoint_resumes_exactly(
         task: tuple[Path, Path], work: Path, fsdp_run: tuple[Path, dict[str, Any]]) -> None:
     reference, _ = fsdp_run

@@ -81,6 +81,24 @@ def test_fsdp_reduces_gradients_only_in_the_last_micro_step() -> None:
     assert seen == [False, False, True]  # unsharded gradients accumulate locally; one reduce-scatter at the end
 
 
+def test_fsdp_reduces_gradients_in_every_micro_step_when_asked() -> None:
+    with distributed.process_group("fsdp", "cpu") as world:
+        model = distributed.wrap(build_tiny_bert(), world, low_precision=None, device=torch.device("cpu"))
+        sharded = [p for p in model.parameters() if p.requires_grad]
+        seen: list[bool] = []
+        every = distributed.micro_step_sync(model, every=True)
+
+        @contextlib.contextmanager
+        def sync(last: bool) -> Iterator[None]:
+            with every(last):
+                yield
+            seen.append(all(p.grad is not None for p in sharded))
+
+        accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
+                          device=torch.device("cpu"), phases=NoPhases(), sync=sync)
+    assert seen == [True, True, True]  # each backward reduce-scatters into the sharded gradients
+
+
 def test_ddp_puts_each_rank_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """DDP's device_ids name the local rank's GPU, not GPU 0, for the index-less device a rank trains on."""
     made: dict[str, Any] = {}

@@ -83,6 +83,9 @@ GRID = [
      "5 of 7 blocks"),  # FSDP: two blocks above the copied one (the last two's gathers outlive the forward)
     ("llama7", "cpu", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "effective_batch": 24,
                        "micro_batch_size": 2}, "5 of 7 blocks and 8 of 12 micro-steps"),  # a loop's step
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "effective_batch": 24,
+                        "micro_batch_size": 2, "precision": "bf16", "reduce_every_micro_step": True},
+     "5 of 7 blocks and 8 of 12 micro-steps"),  # each micro-step reduce-scatters into the sharded gradients
     ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
                         "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16", "checkpointing": "full"},
      "6 of 7 blocks"),  # QLoRA: a spacer below the groups (memory/depth.py)

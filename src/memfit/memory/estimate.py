@@ -480,7 +480,7 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None
     if world_size > 1:
-        sync = functools.partial(distributed.gradient_sync, model)
+        sync = distributed.micro_step_sync(model, every=config.reduce_every_micro_step)
     buckets = DdpBuckets(trained, phases, tracker) if persistent_grads else None
     if buckets is not None:
         sync = buckets.sync

@@ -54,6 +54,9 @@ class Family:
     shard_group: int | None = None
     """FSDP within groups of this many ranks, replicated across the groups (HSDP: one machine's GPUs each);
     ``None``: the run's own ``shard_group``."""
+    reduce_every: bool = False
+    """FSDP: gradients reduce-scattered in every micro-step of a window, so they stay sharded (more traffic);
+    the same setup as without where a window is one micro-batch."""
 
     @property
     def ranks(self) -> bool:
@@ -124,7 +127,13 @@ class Family:
             loss_chunk=self.loss_chunk if self.loss_chunk is not None else base.loss_chunk,
             kahan=self.kahan if self.precision == "bf16-true" else None,
             optimizer_in_backward=self.optimizer_in_backward, offload_activations=self.offload_activations,
-            max_grad_norm=None if self.optimizer_in_backward else base.max_grad_norm)
+            max_grad_norm=None if self.optimizer_in_backward else base.max_grad_norm,
+            reduce_every_micro_step=self.reduces_every(micro_batch_size, effective_batch, base.world_size))
+
+    def reduces_every(self, micro_batch_size: int, effective_batch: int, world_size: int) -> bool:
+        """Whether this family's split reduces gradients in more than one micro-step per window."""
+        return self.reduce_every and self.strategy.startswith("fsdp") and \
+            effective_batch > micro_batch_size * world_size
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,6 +181,8 @@ class Candidate:
                 "kahan": self.family.kahan, "optimizer_in_backward": self.family.optimizer_in_backward,
                 "drops_clipping": self.family.drops_clipping, "offload_activations": self.family.offload_activations,
                 "packing": self.family.packing,
+                "reduce_every_micro_step": self.family.reduces_every(self.micro_batch_size, self.global_batch,
+                                                                     self.world_size),
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -190,6 +201,8 @@ class Candidate:
         host += ", activations on the host" if self.family.offload_activations else ""
         host += " (clipping dropped)" if self.family.drops_clipping else ""
         chunks = f", loss in chunks of {self.family.loss_chunk}" if self.family.loss_chunk else ""
+        if self.family.reduces_every(self.micro_batch_size, self.global_batch, self.world_size):
+            chunks += ", gradients reduced every micro-step"
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
                 f"{self.family.precision}, checkpointing {self.family.checkpointing}{chunks}, "
                 f"{self.family.optimizer_label}{host}{freeze}{adapters}")
@@ -204,6 +217,13 @@ def with_chunked_loss(families: list[Family], base: TrainConfig, task: str) -> l
     chunked = [dataclasses.replace(f, loss_chunk=LOSS_CHUNK) for f in families
                if f.checkpointing == "full" and f.loss_chunk is None]
     return [*families, *chunked]
+
+
+def with_sharded_gradients(families: list[Family]) -> list[Family]:
+    """``families`` and each FSDP one again with its gradients reduced in every micro-step: a window of several
+    micro-batches otherwise keeps every trained parameter's unsharded gradient until its last backward."""
+    return [*families, *(dataclasses.replace(f, reduce_every=True) for f in families
+                         if f.strategy.startswith("fsdp") and not f.reduce_every)]
 
 
 def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile, *, kahan: bool = False) -> str:

@@ -86,6 +86,8 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         if strategy.startswith("fsdp") and not runs_sharded(optimizer):  # replicated instead
             if search.base.distributed == "fsdp":
                 return None
+            if family.reduce_every:  # the same replica as the family without
+                return None
             strategy, group = "ddp", None
         return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy, shard_group=group,
                                    kernels=default_kernels(optimizer, strategy, profile))

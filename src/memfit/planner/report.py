@@ -196,7 +196,8 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
                     offload_optimizer=raw.get("offload_optimizer", False), loss_chunk=raw.get("loss_chunk"),
                     kahan=raw.get("kahan", False), optimizer_in_backward=raw.get("optimizer_in_backward", False),
                     drops_clipping=raw.get("drops_clipping", False),
-                    offload_activations=raw.get("offload_activations", False), packing=raw.get("packing", False))
+                    offload_activations=raw.get("offload_activations", False), packing=raw.get("packing", False),
+                    reduce_every=raw.get("reduce_every_micro_step", False))
     return Candidate(family=family, micro_batch_size=raw["micro_batch_size"],
                      accumulation_steps=raw["accumulation_steps"], predicted_peak_bytes=raw["predicted_peak_bytes"],
                      predicted_allocated_bytes=raw["predicted_allocated_bytes"], peak_phase=raw["peak_phase"],
@@ -207,7 +208,9 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
 
 
 def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callable[[Family], bool]) -> list[Candidate]:
-    traced = list(search.candidates.values())
+    # a family reducing every micro-step is its twin's setup where a window is one micro-batch: listed once
+    traced = [c for c in search.candidates.values()
+              if c is chosen or not (c.family.reduce_every and c.accumulation_steps == 1)]
     fitting = sorted((c for c in traced if c.fits and allowed(c.family)), key=lambda c: -c.predicted_samples_per_second)
     rest = sorted((c for c in traced if c not in fitting), key=lambda c: c.predicted_peak_bytes or 0)
     runner_up = next((c for c in fitting if c is not chosen), None) if chosen is not None else None
@@ -232,7 +235,7 @@ def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callab
             candidate.reason = f"over {format_bytes(search.usable)} usable"
     pruned = []
     for family in search.considered:
-        if family in search.lines:
+        if family in search.lines or family.reduce_every:  # the latter: listed as its twin
             continue
         proof = search.ruled_out.get(family)
         bound = search.lower_bound_seconds(family)

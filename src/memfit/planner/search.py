@@ -203,6 +203,10 @@ class Search:
         if not any(math.ceil(self.effective / micro) > 1 for micro in self.micros):
             return [self.exact_request(family, 1)]
         least = self.cache.get(self._request(family, 1, accumulate=True, lean=False)[1])
+        if least is None and family.reduce_every:  # traced first (:meth:`fit`), fully checkpointed first
+            leanest = self._leanest(family)
+            known = self._cached(leanest, 1, accumulate=True, lean=False)
+            return [self.exact_request(family if known else leanest, 1)]
         if least is not None and self.least_decides(family) and least.total_bytes > self.usable:
             return []  # its fit ends at its least need, which does not fit
         return [self.line_request(family, micro) for micro in self.line_micros(family)]
@@ -230,6 +234,12 @@ class Search:
             self.predict(family, self.effective)
             return
         accumulated = [micro for micro in self.micros if math.ceil(self.effective / micro) > 1]
+        if accumulated and family.reduce_every:  # the least need first: over the budget, no split fits
+            self.exact_candidate(self._leanest(family), 1)
+            if (proof := self.ruling_out(family)) is not None:
+                self.ruled_out[family] = proof
+                return
+            self.exact(family, 1)
         least = self.traced(family, 1, accumulate=True) if accumulated else None
         if least is not None and self.least_decides(family):  # a stage's least need: when it does not fit, none does
             self.lines[family], self.costs[family] = _Line(least, None), self.step_cost(family, least)
@@ -269,7 +279,8 @@ class Search:
             extra = int(trace.breakdown["inputs"] / (2 * trace.micro_batch_size) * (self.effective - 2 * micro))
             peak, allocated = peak + extra, allocated + extra
         seconds = step_seconds(self.costs[family], self.profile, family.precision,
-                               effective_batch=self.effective, accumulation_steps=steps, **self._ranks_of(family))
+                               effective_batch=self.effective, accumulation_steps=steps, **self._ranks_of(family),
+                               reduce_every=family.reduce_every and steps > 1)
         candidate = Candidate(family=family, micro_batch_size=micro, accumulation_steps=steps,
                               predicted_peak_bytes=peak, predicted_allocated_bytes=allocated, peak_phase=phase,
                               predicted_samples_per_second=self.global_batch / seconds, exact=exact,
@@ -358,7 +369,8 @@ class Search:
                     self.ruled_out[family] = proof
             open_families = [family for family in families if family not in self.lines
                              and family not in self.ruled_out
-                             and self.lower_bound_seconds(family) < best_seconds * (1 - 1e-9)]
+                             and self.lower_bound_seconds(family) < best_seconds * (1 - 1e-9)
+                             and self.twin_leaves_room(family, best_seconds)]
             if open_families:
                 ranked = sorted(open_families, key=lambda f: (self.lower_bound_seconds(f), order[f]))
                 self.prefetch(self._ahead(ranked))
@@ -366,6 +378,18 @@ class Search:
                 continue
             if not self.confirm():
                 return
+
+    def twin_leaves_room(self, family: Family, best_seconds: float) -> bool:
+        """Whether ``family`` may beat ``best_seconds`` beside its twin, the same family reducing gradients in the
+        window's last micro-step only. Reducing every micro-step changes only the accumulating splits, each
+        slower than the twin's and keeping less: worth fitting where one of the twin's does not fit and would
+        beat the best (always, for any other family or a twin not fitted yet)."""
+        twin = dataclasses.replace(family, reduce_every=False)
+        if not family.reduce_every or twin not in self.lines:
+            return True
+        return any(not c.fits and self.global_batch / c.predicted_samples_per_second < best_seconds * (1 - 1e-9)
+                   for micro in self.micros if (c := self.candidates.get((twin, micro))) is not None
+                   and c.accumulation_steps > 1)
 
     def confirm(self) -> bool:
         """Trace exactly the two fastest fitting setups, and any faster one within ``BAND`` above the budget.
@@ -403,9 +427,16 @@ class Search:
         return None
 
     @staticmethod
+    def _leanest(family: Family) -> Family:
+        """``family`` checkpointing every block: its least need, where ``family``'s checks first."""
+        return dataclasses.replace(family, checkpointing=CHECKPOINTING[-1])
+
+    @staticmethod
     def least_decides(family: Family) -> bool:
-        """Whether a least need over the budget shows that no setup of ``family`` fits (see :meth:`ruling_out`)."""
-        return not (family.offload_activations or family.strategy.startswith("fsdp"))
+        """Whether a least need over the budget shows that no setup of ``family`` fits (see :meth:`ruling_out`).
+        An FSDP family reducing every micro-step: its one split without accumulation is its twin's, fitted
+        with the twin; its accumulating ones keep more as the micro-batch grows, as one GPU's do."""
+        return not (family.offload_activations or (family.strategy.startswith("fsdp") and not family.reduce_every))
 
     def _to_confirm(self, ranked: list[Candidate]) -> list[Candidate]:
         """The setups :meth:`confirm` traces if every one confirmed fits as predicted."""

@@ -54,13 +54,13 @@ class StepCost:
 def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effective_batch: int,
                  accumulation_steps: int, strategy: str = "none", world_size: int = 1,
                  offload: bool = False, kahan: bool = False, paged: bool = False, shard_group: int | None = None,
-                 per_node: int | None = None) -> float:
+                 per_node: int | None = None, reduce_every: bool = False) -> float:
     """The cost model's time of one optimizer step of one rank (see the module docstring);
     ``effective_batch`` is the samples this rank computes; ``offload``: the optimizer's step on the host;
     ``kahan``: bf16 weights' compensated update; ``paged``: 8-bit states paged through the host (taken as
     paged in and out once per step: the card is short, or the plan would not need them paged);
     ``shard_group``: FSDP shards within groups of this many ranks (HSDP); ``per_node``: ranks per machine
-    (``None``: all on one)."""
+    (``None``: all on one); ``reduce_every``: FSDP reduces the gradients in each of the window's micro-steps."""
     compute = effective_batch * cost.flops_per_sample / (profile.flops_for(precision) * EFFICIENCY)
     overhead = (accumulation_steps * cost.ops_per_micro_step + cost.ops_per_optimizer_step) * profile.op_overhead_s
     step_bytes = BYTES_PER_TRAINED_PARAMETER // 2 if precision == "bf16-true" else BYTES_PER_TRAINED_PARAMETER
@@ -80,6 +80,8 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
     if strategy == "ddp":
         return compute + overhead + traffic + 2 * _share(world_size) * gradients / _bus(profile, world_size, per_node)
     gathered = 2 * accumulation_steps * cost.parameters * (4 if precision == "fp32" else 2)
+    if reduce_every:  # a reduce-scatter (and, with HSDP, an all-reduce of the shard) per micro-step
+        gradients *= accumulation_steps
     group = shard_group if shard_group is not None and shard_group < world_size else world_size
     communication = _share(group) * (gathered + gradients) / _bus(profile, group, per_node)
     if group < world_size:  # HSDP: each rank's gradient shard all-reduced across the groups too
