@@ -64,7 +64,8 @@ SHARDED = "dcp"
 PROGRESS = "progress.json"
 MARKER = "COMPLETE.json"
 FORMAT = 1
-NOT_LEARNING = ("output_dir", "resume", "overwrite", "save_every", "keep_last", "log_every", "device_profile", *OPT_INS)
+NOT_LEARNING = ("output_dir", "resume", "overwrite", "save_every", "keep_last", "log_every", "device_profile",
+                "reduce_every_micro_step", *OPT_INS)
 """Config fields that change nothing that is learned: no warning when they differ on resume."""
 
 

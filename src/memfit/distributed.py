@@ -162,7 +162,7 @@ def decided_once(name: str, decide: Callable[[], T], *, encode: Callable[[T], st
 def replica_config(config: TrainConfig) -> TrainConfig:
     """One rank's share of a distributed run as a single-process run: its micro-batch and accumulation."""
     return dataclasses.replace(config, distributed="none", world_size=1, cpu_offload=False, shard_group=None,
-                               effective_batch=config.per_rank_batch,
+                               reduce_every_micro_step=False, effective_batch=config.per_rank_batch,
                                micro_batch_size=config.resolved_micro_batch_size, accumulation_steps=None,
                                budget=None, plan=None, device_profile=None).without_opt_ins()
 
@@ -311,8 +311,16 @@ def micro_step_sync(model: nn.Module, *, every: bool) -> Callable[[bool], contex
     window's last backward (a whole model's gradients on each rank, as DDP keeps them), for one reduce-scatter
     per window. Reduced in every micro-step, each block's unsharded gradient is reduce-scattered and freed as
     backward leaves it, and the shards accumulate: 1/N of the gradients stay, for one reduce-scatter per
-    micro-step (and with HSDP one all-reduce of each shard across the groups)."""
-    return lambda last: gradient_sync(model, last or every)
+    micro-step. With HSDP the reduced shards are all-reduced across the groups in the last micro-step only
+    (``set_requires_all_reduce``): the slowest link is crossed once per window either way."""
+    set_all_reduce = getattr(model, "set_requires_all_reduce", None) if every else None
+
+    def sync(last: bool) -> contextlib.AbstractContextManager[None]:
+        if set_all_reduce is not None:
+            set_all_reduce(last)
+        return gradient_sync(model, last or every)
+
+    return sync
 
 
 def rank_chunks(indices: list[int], size: int, world: World) -> tuple[list[list[int]], int]:
@@ -374,7 +382,9 @@ def full_state_dict(model: nn.Module, *, trained_only: bool = False) -> dict[str
     if not trained_only:
         weights: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]  # tensors only here
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return weights
+        # a tied weight is gathered under each of its names, as copies that share nothing: saved once, under its
+        # first name (as one process saves it)
+        return {name: value for name, value in weights.items() if name not in _aliases(model)}
     trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
     gathered: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():  # the same order on every rank: each gather a collective
@@ -385,6 +395,17 @@ def full_state_dict(model: nn.Module, *, trained_only: bool = False) -> dict[str
             if dist.get_rank() == 0:
                 gathered[name] = whole.detach().to("cpu", copy=True)
     return gathered
+
+
+def _aliases(model: nn.Module) -> set[str]:
+    """The names under which a parameter named earlier appears again (tied weights: an LM's output layer)."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            aliases.add(name)
+        seen.add(id(parameter))
+    return aliases
 
 
 def require_no_group(what: str) -> None:

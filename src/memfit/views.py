@@ -41,7 +41,8 @@ def print_plan(console: Console, result: Any, *, top: int) -> None:
         speed = f"{candidate.relative_speed:.2f}x" if candidate.relative_speed is not None else "-"
         optimizer = family.optimizer_label + (" on the host" if family.offload_optimizer else "") + (
             "" if family.freeze == "none" else f", freeze {family.freeze}") + (
-            f", {family.technique_label}" if family.lora_rank else "")
+            f", {family.technique_label}" if family.lora_rank else "") + (
+            ", gradients reduced every micro-step" if candidate.reduces_every else "")
         ranks = f"{family.strategy_label}: " if family.ranks else ""
         table.add_row(str(rank), f"{ranks}{candidate.micro_batch_size} x {candidate.accumulation_steps}",
                       family.precision,

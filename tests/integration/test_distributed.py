@@ -247,6 +247,29 @@ def test_fsdp_trains_qlora_with_checkpointing_and_a_chunked_loss_as_one_process_
                       estimate(config, device="cpu", seq_len=32).peak_bytes, layer)
 
 
+def test_fsdp_trains_bf16_weights_with_kahan_summation_as_one_process_does(work: Path) -> None:
+    """``--precision bf16-true`` on two FSDP ranks: bf16 shards, gradients, states and Kahan buffers
+    (torch-optimi's step on DTensors). The ranks reduce-scatter in bf16, one rounding more than one process's
+    sum: within one bf16 step of its weights; each rank's peak is the estimate (packed rows: every
+    micro-batch full width)."""
+    model = write_tiny_llm(work / "bf16-llm", config={"hidden_size": 64, "intermediate_size": 128})
+    data = write_pairs(work / "bf16-pairs.jsonl", count=64)
+    args = ["train", "--model", str(model), "--data", str(data), "--max-length", "32", "--effective-batch", "8",
+            "--micro-batch-size", "2", "--precision", "bf16-true", "--optimizer", "sgd", "--packing",
+            "--max-steps", "3", "--lr", "1e-2", "--seed", "0", "--log-every", "1"]  # SGD: see the test below
+    assert main([*args, "--output-dir", str(work / "bf16-single")]) == 0
+    result = torchrun([*args, "--output-dir", str(work / "bf16-fsdp"), "--distributed", "fsdp", "--json"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_weights_close(work / "bf16-fsdp", work / "bf16-single", atol=5e-4)  # measured: 1.2e-4
+    config = TrainConfig(model=str(model), task="causal-lm", max_length=32, effective_batch=8, micro_batch_size=2,
+                         precision="bf16-true", optimizer="sgd", packing=True, distributed="fsdp", world_size=2)
+    import transformers
+
+    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    assert_fsdp_peaks(summary_of(result)["per_rank_training_peak_bytes"],
+                      estimate(config, device="cpu", seq_len=32).peak_bytes, built.model.layers[0])
+
+
 def test_fsdp_ranks_receive_a_pretrained_llms_weights_from_rank_0(work: Path) -> None:
     """A Llama whose weights are saved in bf16 (loaded in fp32, as a random init is), trained with LoRA on two
     FSDP ranks: rank 1 builds it on the meta device and receives every weight and the rotary frequencies (a

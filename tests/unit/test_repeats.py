@@ -87,6 +87,13 @@ GRID = [
                         "micro_batch_size": 2, "precision": "bf16", "reduce_every_micro_step": True},
      "5 of 7 blocks and 8 of 12 micro-steps"),  # each micro-step reduce-scatters into the sharded gradients
     ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
+                        "effective_batch": 24, "micro_batch_size": 1, "precision": "bf16",
+                        "reduce_every_micro_step": True},
+     "5 of 7 blocks and 8 of 12 micro-steps"),  # HSDP: each reduce-scatter's shard all-reduced in the last
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "effective_batch": 24,
+                        "micro_batch_size": 2, "precision": "bf16-true"},
+     "5 of 7 blocks and 8 of 12 micro-steps"),  # bf16 shards, Kahan buffers and torch-optimi's loop on DTensors
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
                         "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16", "checkpointing": "full"},
      "6 of 7 blocks"),  # QLoRA: a spacer below the groups (memory/depth.py)
     ("llama7", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "cpu_offload": True,

@@ -18,6 +18,7 @@ from memfit.devices import resolve_profile
 from memfit.memory.estimate import estimate
 from memfit.options import build_parser
 from memfit.planner import plan
+from memfit.planner.families import Family, with_sharded_gradients
 from memfit.planner.report import plan_from_dict
 from memfit.planner.speed import StepCost, step_seconds
 from tests.conftest import TINY_LLAMA, write_model_dir
@@ -34,8 +35,8 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def fsdp(model: str, **options: Any) -> TrainConfig:
-    settings: dict[str, Any] = {"effective_batch": 16, "micro_batch_size": 1, **options}
-    return TrainConfig(model=model, task="causal-lm", max_length=SEQ, distributed="fsdp", world_size=2, **settings)
+    settings: dict[str, Any] = {"effective_batch": 16, "micro_batch_size": 1, "distributed": "fsdp", **options}
+    return TrainConfig(model=model, task="causal-lm", max_length=SEQ, world_size=2, **settings)
 
 
 def test_reduced_in_every_micro_step_each_rank_keeps_only_its_shard_of_the_gradients(wide: str) -> None:
@@ -44,11 +45,28 @@ def test_reduced_in_every_micro_step_each_rank_keeps_only_its_shard_of_the_gradi
     # fp32 gradients of every trained parameter, halved over 2 ranks (each dimension 0 here is even)
     assert every.breakdown["gradients"] == 4 * every.trainable_parameters // 2
     assert every.peak_bytes < last.peak_bytes  # the last-only run accumulates unsharded gradients meanwhile
-    # a window of one micro-batch per rank reduces in its only backward either way: the same step
-    one_each = [estimate(fsdp(wide, effective_batch=2, reduce_every_micro_step=flag), device="cpu", seq_len=SEQ)
-                for flag in (False, True)]
-    assert [(e.peak_bytes, e.breakdown, e.traced_ops) for e in one_each].count(
-        (one_each[0].peak_bytes, one_each[0].breakdown, one_each[0].traced_ops)) == 2
+
+
+def test_auto_estimates_its_replica_without_the_fsdp_option(wide: str) -> None:
+    """``--distributed auto`` on a card weighs one replica (one process's run) first: the option is FSDP's."""
+    config = fsdp(wide, distributed="auto", reduce_every_micro_step=True)
+    assert estimate(config, device="4090", seq_len=SEQ).distributed in ("ddp", "fsdp")
+
+
+def test_the_planner_searches_both_ways_of_reducing_unless_the_run_chose() -> None:
+    families = [Family(precision="bf16", checkpointing="full", kernels="foreach", strategy=strategy)
+                for strategy in ("ddp", "fsdp", "fsdp-offload")]
+    searched = with_sharded_gradients(families, TrainConfig())
+    assert searched == [*families, *(dataclasses.replace(f, reduce_every=True) for f in families[1:])]
+    chosen = with_sharded_gradients(families, TrainConfig(distributed="fsdp", reduce_every_micro_step=True))
+    assert chosen == [families[0], *(dataclasses.replace(f, reduce_every=True) for f in families[1:])]
+    # a window of one micro-batch per rank reduces in its only backward: the twins' setup, one trace for both
+    every = dataclasses.replace(families[1], reduce_every=True)
+    base = TrainConfig(world_size=2)
+    assert not every.configure(base, micro_batch_size=4, effective_batch=8).reduce_every_micro_step
+    assert every.configure(base, micro_batch_size=2, effective_batch=8).reduce_every_micro_step
+    assert every.configure(base, micro_batch_size=4, effective_batch=8) == \
+        families[1].configure(base, micro_batch_size=4, effective_batch=8)
 
 
 def test_reducing_every_micro_step_costs_one_reduce_scatter_per_micro_step() -> None:
@@ -62,6 +80,11 @@ def test_reducing_every_micro_step_costs_one_reduce_scatter_per_micro_step() -> 
 
     gradients = 4e6  # fp32; a ring reduce-scatter over 2 ranks moves half of them
     assert seconds(reduce_every=True) - seconds() == pytest.approx(3 * gradients / 2 / card.link_bandwidth)
+    # HSDP, 4 ranks in groups of 2: the reduce-scatter inside a group per micro-step, the shard's all-reduce
+    # across the groups once per window either way
+    hsdp = [step_seconds(cost, card, "fp32", effective_batch=8, accumulation_steps=4, strategy="fsdp", world_size=4,
+                         shard_group=2, reduce_every=every) for every in (False, True)]
+    assert hsdp[1] - hsdp[0] == pytest.approx(3 * gradients / 2 / card.link_bandwidth)
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
                packing=base.packing)
         for s, group in strategies(base, profile, search.per_node) for p in precisions for c in CHECKPOINTING],
         base, task)
-    neutral = with_sharded_gradients(neutral)
+    neutral = with_sharded_gradients(neutral, base)
     smallest = None
     if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
         smallest = _least_need(search, neutral)
@@ -337,7 +337,7 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             for s, group in strategies(search.base, profile, search.per_node) for o in optimizers
             if runs_sharded(o) or not s.startswith("fsdp") for p in precisions for c in CHECKPOINTING],
             search.base, task)
-        families = with_sharded_gradients(families)
+        families = with_sharded_gradients(families, search.base)
         base_bytes = _base_floor(search, spec, technique, task)
         if base_bytes is not None:
             advice.append(over_by_weights(f"{flag} (r={rank})", "its base weights alone need at least", base_bytes,

@@ -164,6 +164,11 @@ class Candidate:
     """Host memory one rank holds at its peak: offloaded optimizer state, shards or activations."""
 
     @property
+    def reduces_every(self) -> bool:
+        """Whether this split reduces its gradients in every micro-step (FSDP, accumulating)."""
+        return self.family.reduces_every(self.micro_batch_size, self.global_batch, self.world_size)
+
+    @property
     def global_batch(self) -> int:
         """Samples per optimizer step over all ranks: ``predicted_samples_per_second`` counts them all."""
         return self.micro_batch_size * self.accumulation_steps * self.world_size
@@ -181,8 +186,7 @@ class Candidate:
                 "kahan": self.family.kahan, "optimizer_in_backward": self.family.optimizer_in_backward,
                 "drops_clipping": self.family.drops_clipping, "offload_activations": self.family.offload_activations,
                 "packing": self.family.packing,
-                "reduce_every_micro_step": self.family.reduces_every(self.micro_batch_size, self.global_batch,
-                                                                     self.world_size),
+                "reduce_every_micro_step": self.reduces_every,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_allocated_bytes": self.predicted_allocated_bytes, "peak_phase": self.peak_phase,
                 "predicted_samples_per_second": self.predicted_samples_per_second,
@@ -201,7 +205,7 @@ class Candidate:
         host += ", activations on the host" if self.family.offload_activations else ""
         host += " (clipping dropped)" if self.family.drops_clipping else ""
         chunks = f", loss in chunks of {self.family.loss_chunk}" if self.family.loss_chunk else ""
-        if self.family.reduces_every(self.micro_batch_size, self.global_batch, self.world_size):
+        if self.reduces_every:
             chunks += ", gradients reduced every micro-step"
         return (f"{ranks}micro-batch {self.micro_batch_size} x {self.accumulation_steps}{per_rank}, "
                 f"{self.family.precision}, checkpointing {self.family.checkpointing}{chunks}, "
@@ -219,11 +223,16 @@ def with_chunked_loss(families: list[Family], base: TrainConfig, task: str) -> l
     return [*families, *chunked]
 
 
-def with_sharded_gradients(families: list[Family]) -> list[Family]:
+def with_sharded_gradients(families: list[Family], base: TrainConfig) -> list[Family]:
     """``families`` and each FSDP one again with its gradients reduced in every micro-step: a window of several
-    micro-batches otherwise keeps every trained parameter's unsharded gradient until its last backward."""
-    return [*families, *(dataclasses.replace(f, reduce_every=True) for f in families
-                         if f.strategy.startswith("fsdp") and not f.reduce_every)]
+    micro-batches otherwise keeps every trained parameter's unsharded gradient until its last backward. A run
+    that asks for it (``--reduce-every-micro-step``) gets only those."""
+    sharded = [dataclasses.replace(f, reduce_every=True) for f in families
+               if f.strategy.startswith("fsdp") and not f.reduce_every]
+    if base.reduce_every_micro_step:
+        return list(dict.fromkeys(dataclasses.replace(f, reduce_every=True) if f.strategy.startswith("fsdp") else f
+                                  for f in families))
+    return list(dict.fromkeys([*families, *sharded]))
 
 
 def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile, *, kahan: bool = False) -> str:

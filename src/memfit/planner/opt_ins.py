@@ -30,7 +30,14 @@ from memfit.config import TrainConfig, runs_sharded
 from memfit.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.planner.allowed import Advice, Allowed, over_by_weights
-from memfit.planner.families import CHECKPOINTING, Candidate, Family, default_kernels, with_chunked_loss
+from memfit.planner.families import (
+    CHECKPOINTING,
+    Candidate,
+    Family,
+    default_kernels,
+    with_chunked_loss,
+    with_sharded_gradients,
+)
 from memfit.planner.search import Search
 from memfit.report import format_bytes
 from memfit.techniques.optim import optimizer_problems
@@ -73,8 +80,8 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         return dataclasses.replace(family, offload_activations=True)
 
     def bf16_true(family: Family) -> Family | None:
-        if not profile.has_native_bf16 or family.ranks or family.offload_optimizer:
-            return None
+        if not profile.has_native_bf16 or family.strategy not in ("none", "fsdp") or family.offload_optimizer:
+            return None  # several GPUs: FSDP shards the bf16 weights, gradients and state (not DDP, not offload)
         kahan = "8bit" not in family.optimizer and importlib.util.find_spec("optimi") is not None
         return dataclasses.replace(family, precision="bf16-true", kahan=kahan,
                                    kernels=default_kernels(family.optimizer, family.strategy, profile, kahan=kahan))
@@ -86,10 +93,9 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         if strategy.startswith("fsdp") and not runs_sharded(optimizer):  # replicated instead
             if search.base.distributed == "fsdp":
                 return None
-            if family.reduce_every:  # the same replica as the family without
-                return None
             strategy, group = "ddp", None
         return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy, shard_group=group,
+                                   reduce_every=family.reduce_every and strategy.startswith("fsdp"),
                                    kernels=default_kernels(optimizer, strategy, profile))
 
     def paged(family: Family) -> Family | None:
@@ -247,8 +253,10 @@ def bitsandbytes_problem(profile: DeviceProfile) -> str | None:
 
 def _unchunked_too(families: list[Family], base: TrainConfig, task: str) -> list[Family]:
     """The families a stage searches: each checkpointing without a chunked loss too (a least need found with
-    the loss in chunks says nothing of which setup is fastest)."""
-    if base.loss_chunk is not None:
-        return families
-    plain = [dataclasses.replace(family, loss_chunk=None) for family in families]
-    return with_chunked_loss(list(dict.fromkeys(plain)), base, task)
+    the loss in chunks says nothing of which setup is fastest), and each FSDP one reducing gradients in the
+    last micro-step too (the least need reduces them in every one)."""
+    plain = [dataclasses.replace(family, reduce_every=False) for family in families]  # twins added back below
+    if base.loss_chunk is None:
+        plain = with_chunked_loss(list(dict.fromkeys(dataclasses.replace(f, loss_chunk=None) for f in plain)),
+                                  base, task)
+    return with_sharded_gradients(plain, base)

@@ -208,9 +208,7 @@ def _candidate(raw: dict[str, Any]) -> Candidate:
 
 
 def rank_candidates(search: Search, chosen: Candidate | None, *, allowed: Callable[[Family], bool]) -> list[Candidate]:
-    # a family reducing every micro-step is its twin's setup where a window is one micro-batch: listed once
-    traced = [c for c in search.candidates.values()
-              if c is chosen or not (c.family.reduce_every and c.accumulation_steps == 1)]
+    traced = list(search.candidates.values())
     fitting = sorted((c for c in traced if c.fits and allowed(c.family)), key=lambda c: -c.predicted_samples_per_second)
     rest = sorted((c for c in traced if c not in fitting), key=lambda c: c.predicted_peak_bytes or 0)
     runner_up = next((c for c in fitting if c is not chosen), None) if chosen is not None else None

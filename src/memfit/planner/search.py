@@ -256,8 +256,8 @@ class Search:
         self.costs[family] = self.step_cost(family, self.lines[family].low)
         for micro in self.micros:
             self.predict(family, micro)
-        whole = self.candidates[(family, self.effective)]
-        if family.strategy.startswith("fsdp") and not whole.fits and not whole.exact:
+        whole = self.candidates.get((family, self.effective))  # a twin's split (:meth:`predict`): not kept
+        if whole is not None and family.strategy.startswith("fsdp") and not whole.fits and not whole.exact:
             # FSDP2 keeps unsharded gradients across a window's no-sync micro-steps, which a window of one
             # micro-batch never holds: the line, through accumulating windows, overstates that split
             self.exact(family, self.effective)
@@ -287,7 +287,9 @@ class Search:
                               fits=peak <= self.usable and self.host_fits(family, host), world_size=self.ranks(family),
                               trainable_parameters=trace.trainable_parameters, parameters=trace.parameters,
                               predicted_host_bytes=host)
-        self.candidates[(family, micro)] = candidate
+        if not (family.reduce_every and steps == 1 and dataclasses.replace(family, reduce_every=False)
+                in self.considered):  # the same setup as its twin's, which is kept
+            self.candidates[(family, micro)] = candidate
         return candidate
 
     def step_cost(self, family: Family, trace: Estimate) -> StepCost:

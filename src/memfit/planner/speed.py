@@ -76,14 +76,13 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
     traffic += effective_batch * 2 * cost.offloaded_bytes_per_sample / profile.host_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
-    gradients = 4 * cost.trainable_parameters
+    gradients = (2 if precision == "bf16-true" else 4) * cost.trainable_parameters  # reduced in fp32 otherwise
     if strategy == "ddp":
         return compute + overhead + traffic + 2 * _share(world_size) * gradients / _bus(profile, world_size, per_node)
     gathered = 2 * accumulation_steps * cost.parameters * (4 if precision == "fp32" else 2)
-    if reduce_every:  # a reduce-scatter (and, with HSDP, an all-reduce of the shard) per micro-step
-        gradients *= accumulation_steps
     group = shard_group if shard_group is not None and shard_group < world_size else world_size
-    communication = _share(group) * (gathered + gradients) / _bus(profile, group, per_node)
+    scattered = gradients * (accumulation_steps if reduce_every else 1)  # a reduce-scatter per micro-step
+    communication = _share(group) * (gathered + scattered) / _bus(profile, group, per_node)
     if group < world_size:  # HSDP: each rank's gradient shard all-reduced across the groups too
         replicas = world_size // group
         across = profile.link_bandwidth if per_node is None or per_node >= world_size else \
@@ -91,7 +90,7 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
         communication += 2 * _share(replicas) * gradients / group / across
     traffic /= group  # each rank steps its shard
     if strategy == "fsdp-offload":
-        host = (gathered + gradients) / group / profile.host_bandwidth
+        host = (gathered + scattered) / group / profile.host_bandwidth  # each reduced shard to the host
         traffic = traffic * profile.memory_bandwidth / HOST_MEMORY_BANDWIDTH
         communication += host
     return compute + overhead + traffic + communication

@@ -13,9 +13,13 @@ more bf16 buffer per trained parameter (2 bytes: 10 bytes per parameter with Ada
 in each step. On by default under ``bf16-true`` with AdamW and SGD; bitsandbytes' 8-bit AdamW has no Kahan
 buffer (``--optimizer adamw8bit`` runs without it).
 
+Several GPUs: under ``--distributed fsdp`` FSDP2 shards the bf16 weights, gradients, states and Kahan buffers
+as they are (no mixed-precision policy: weights gathered and gradients reduce-scattered in bf16, where mixed
+precision reduces in fp32; the ranks' average rounds once more than one process's sum).
+
 Incompatible: ``--kahan`` without ``bf16-true`` (fp32 weights lose nothing to round); ``--kahan`` with an 8-bit
-optimizer; ``bf16-true`` with fp16's GradScaler, with ``--distributed`` and with ``--offload-optimizer``
-(those keep fp32 copies or shard what this keeps whole).
+optimizer; ``bf16-true`` with fp16's GradScaler, with DDP, with ``--cpu-offload`` and with ``--offload-optimizer``
+(those keep fp32 copies, or are not built for it).
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ function renderPlan(made) {
     const ranks = candidate.world_size > 1 ? `${strategy}: ` : "";
     const optimizer = candidate.optimizer + (candidate.offload_optimizer ? " on the host" : "")
       + (candidate.freeze !== "none" ? `, freeze ${candidate.freeze}` : "")
-      + (candidate.lora_rank ? `, ${candidate.quantize_base ? "QLoRA" : "LoRA"} r=${candidate.lora_rank}` : "");
+      + (candidate.lora_rank ? `, ${candidate.quantize_base !== "none" ? "QLoRA" : "LoRA"} r=${candidate.lora_rank}` : "")
+      + (candidate.reduce_every_micro_step ? ", gradients reduced every micro-step" : "");
     const fits = candidate.fits === null ? "–" : candidate.fits ? "yes" : "no";
     const peak = candidate.predicted_peak_bytes === null ? "–"
       : (candidate.exact ? "" : "~") + formatBytes(candidate.predicted_peak_bytes);
