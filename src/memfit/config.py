@@ -13,9 +13,9 @@ import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memfit.devices import gpu_profile_problems
 from memfit.errors import ConfigError, Problems
 from memfit.files import load_option_file
 from memfit.names import DATA_FORMATS
@@ -270,7 +270,7 @@ class TrainConfig:
         _check_low_memory_full(problems, self)
         _check_adapters(problems, self)
         if self.device not in DEVICES:
-            problems.lines.extend(_gpu_profile_problems(self.device))
+            problems.lines.extend(gpu_profile_problems(self.device, "--device", DEVICES))
         _check_numbers(problems, self)
         _check_batch_split(problems, self)
         _check_run_dir_and_budget(problems, self)
@@ -519,7 +519,7 @@ def _check_planning(problems: Problems, config: TrainConfig) -> None:
         problems.add("--device-profile runs with the card's memory (or --budget) as the limit; drop --emulate-budget")
     if config.plan is not None:
         problems.add("--device-profile plans for that card; a saved --plan has chosen already: drop one of them")
-    problems.lines.extend(_gpu_profile_problems(config.device_profile, "--device-profile"))
+    problems.lines.extend(gpu_profile_problems(config.device_profile, "--device-profile"))
 
 
 def runs_sharded(optimizer: str) -> bool:
@@ -553,24 +553,6 @@ def _check_distributed(problems: Problems, config: TrainConfig) -> None:
 def several_processes(config: TrainConfig) -> bool:
     """Whether the run trains (or is estimated) as more than one process: a distributed strategy or ranks."""
     return config.distributed != "none" or config.world_size > 1
-
-
-def _gpu_profile_problems(name: str, flag: str = "--device") -> list[str]:
-    """What is wrong with ``NAME`` as a GPU to plan for: a built-in profile or a profile file."""
-    from memfit.devices import resolve_profile
-
-    try:
-        profile = resolve_profile(name)
-    except ConfigError as error:
-        if Path(name).suffix in (".toml", ".json"):
-            return error.problems
-        choices = f"one of: {', '.join(DEVICES)}, or " if flag == "--device" else ""
-        return [f"{flag} {name!r} is not {choices}a GPU profile to plan for (memfit devices) or a .toml/.json "
-                "profile file"]
-    if profile.kind == "cuda":
-        return []
-    return [f"{flag} {name!r} is not a GPU profile; " + ("use --device cpu" if flag == "--device" else
-                                                        "give one of memfit devices' GPUs")]
 
 
 def _check_choice(problems: Problems, name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -355,3 +355,20 @@ def _profile_from_file(path: Path) -> DeviceProfile:
         link_bandwidth=float(raw.get("link_bandwidth", PCIE3_BANDWIDTH)),
         host_bandwidth=float(raw.get("host_bandwidth", PCIE3_BANDWIDTH)),
         node_bandwidth=float(raw.get("node_bandwidth", NODE_BANDWIDTH)))
+
+
+def gpu_profile_problems(name: str, flag: str, devices: tuple[str, ...] = ()) -> list[str]:
+    """What is wrong with ``name`` as a GPU to plan for (a built-in profile or a profile file), given to ``flag``
+    (``devices``: the other values it takes)."""
+    try:
+        profile = resolve_profile(name)
+    except ConfigError as error:
+        if Path(name).suffix in (".toml", ".json"):
+            return error.problems
+        choices = f"one of: {', '.join(devices)}, or " if devices else ""
+        return [f"{flag} {name!r} is not {choices}a GPU profile to plan for (memfit devices) or a .toml/.json "
+                "profile file"]
+    if profile.kind == "cuda":
+        return []
+    return [f"{flag} {name!r} is not a GPU profile; " + ("use --device cpu" if devices else
+                                                        "give one of memfit devices' GPUs")]

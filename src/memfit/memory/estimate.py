@@ -471,9 +471,8 @@ def run_steps(model: torch.nn.Module, config: TrainConfig, precision: Precision,
     ``after_step(i)`` runs after step ``i`` (from 1), e.g. to reset peak statistics after a warm-up.
 
     ``world_size > 1``: ``model`` is sharded (FSDP2 over a fake process group) and the window is one rank's;
-    gradients are reduced in the window's last backward only, as in the engine, or in each with
-    ``config.reduce_every_micro_step`` (:func:`memfit.distributed.micro_step_sync`). ``persistent_grads``: DDP's
-    gradient buckets, which hold every trainable gradient for the whole run (``gradient_as_bucket_view``).
+    gradients are reduced as the engine reduces them (:func:`memfit.distributed.micro_step_sync`).
+    ``persistent_grads``: DDP's gradient buckets, which hold every trainable gradient for the whole run.
     ``offload``: the activation offload of ``config.offload_activations`` (made here when not given; a caller
     that measures its host bytes passes its own).
     """

@@ -349,7 +349,7 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             advice.append(Advice(f"{flag} does not apply: {error.problems[0]}"))
             continue
         advice.append(Advice(f"{flag} (r={rank}) {'would fit' if need.fits else 'would not fit either'}: it needs "
-                             f"at least {format_bytes(need.predicted_peak_bytes or 0)}",
+                             f"at least {format_bytes(need.predicted_peak_bytes or 0)}{search.over_host(need)}",
                              fits=need.family.opt_ins if need.fits else None))
         if need.fits and allowed:
             search.search(families)

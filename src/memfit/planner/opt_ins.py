@@ -80,11 +80,12 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         return dataclasses.replace(family, offload_activations=True)
 
     def bf16_true(family: Family) -> Family | None:
-        if not profile.has_native_bf16 or family.strategy not in ("none", "fsdp") or family.offload_optimizer:
-            return None  # several GPUs: FSDP shards the bf16 weights, gradients and state (not DDP, not offload)
+        if not profile.has_native_bf16 or family.strategy == "ddp" or family.offload_optimizer:
+            return None  # several GPUs: FSDP shards the bf16 weights, gradients and state, on the card
         kahan = "8bit" not in family.optimizer and importlib.util.find_spec("optimi") is not None
-        return dataclasses.replace(family, precision="bf16-true", kahan=kahan,
-                                   kernels=default_kernels(family.optimizer, family.strategy, profile, kahan=kahan))
+        strategy = "fsdp" if family.strategy == "fsdp-offload" else family.strategy
+        return dataclasses.replace(family, precision="bf16-true", kahan=kahan, strategy=strategy,
+                                   kernels=default_kernels(family.optimizer, strategy, profile, kahan=kahan))
 
     def eight_bit(family: Family, optimizer: str = "adamw8bit") -> Family | None:
         if family.offload_optimizer or (optimizer.startswith("paged") and profile.kind != "cuda"):
@@ -234,7 +235,8 @@ def _need(search: Search, flag: str, families: list[Family]) -> Advice:
                       "optimizer step in backward, which cannot accumulate (at "
                       f"{search.effective} it needs {format_bytes(best.predicted_peak_bytes or 0)})")
     floor = min([best.predicted_peak_bytes or 0, *(window[1].total_bytes for window in windows)])
-    return Advice(f"{flag} would not fit either: it needs at least {format_bytes(floor)}")
+    host = search.over_host(best) if floor == best.predicted_peak_bytes else ""
+    return Advice(f"{flag} would not fit either: it needs at least {format_bytes(floor)}{host}")
 
 
 BITSANDBYTES_CAPABILITY = (6, 0)

@@ -18,6 +18,7 @@ from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
 from memfit.planner.workers import side_by_side, side_by_side_usable, worker_count
 from memfit.rank0_load import load_host_bytes
+from memfit.report import format_bytes
 from memfit.techniques.precision import Precision
 
 if TYPE_CHECKING:
@@ -347,6 +348,15 @@ class Search:
                                                  Precision(family.precision, self.profile.kind).low_dtype,
                                                  strategy=config.distributed, ranks=ranks)
         return max(host_bytes * ranks, self.loads[family])
+
+    def over_host(self, candidate: Candidate) -> str:
+        """What a need line adds where ``candidate`` fits the card but not the host: its host memory."""
+        host = self.host_per_node(candidate.family, candidate.predicted_host_bytes)
+        if self.host_fits(candidate.family, candidate.predicted_host_bytes) or \
+                (candidate.predicted_peak_bytes or 0) > self.usable:
+            return ""
+        limit = format_bytes(self.host_memory or 0)
+        return f" on the card and {format_bytes(host)} of host memory per machine, over {limit}"
 
     def host_fits(self, family: Family, host_bytes: int) -> bool:
         """Whether one machine's host memory holds what ``family`` keeps there (always, unchecked)."""
