@@ -162,7 +162,8 @@ def test_to_training_arguments_builds_hf_training_arguments(model_dir: Path, tra
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         arguments = transformers.TrainingArguments(output_dir=str(tmp_path), **result.to_training_arguments())
-    assert not [w for w in caught if "deprecated" in str(w.message)]  # the installed transformers' own names
+    # the installed transformers' own names (what its first import pulls in may warn of torch's own deprecations)
+    assert not [w for w in caught if "deprecated" in str(w.message) and "transformers" in w.filename]
     assert arguments.per_device_train_batch_size == result.chosen.micro_batch_size
     assert arguments.gradient_accumulation_steps == result.chosen.accumulation_steps
     assert (arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps
