@@ -315,10 +315,12 @@ def micro_step_sync(model: nn.Module, *, every: bool) -> Callable[[bool], contex
     (``set_requires_all_reduce``): the slowest link is crossed once per window either way."""
     set_all_reduce = getattr(model, "set_requires_all_reduce", None) if every else None
 
-    def sync(last: bool) -> contextlib.AbstractContextManager[None]:
-        if set_all_reduce is not None:
-            set_all_reduce(last)
-        return gradient_sync(model, last or every)
+    @contextlib.contextmanager
+    def sync(last: bool) -> Iterator[None]:
+        with gradient_sync(model, last or every):
+            if set_all_reduce is not None:  # after: turning the sync on turns the all-reduce on too
+                set_all_reduce(last)
+            yield
 
     return sync
 
@@ -384,7 +386,7 @@ def full_state_dict(model: nn.Module, *, trained_only: bool = False) -> dict[str
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # a tied weight is gathered under each of its names, as copies that share nothing: saved once, under its
         # first name (as one process saves it)
-        return {name: value for name, value in weights.items() if name not in _aliases(model)}
+        return {name: value for name, value in weights.items() if name not in _aliases(unwrap(model))}
     trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
     gathered: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():  # the same order on every rank: each gather a collective

@@ -249,8 +249,8 @@ def test_fsdp_trains_qlora_with_checkpointing_and_a_chunked_loss_as_one_process_
 
 def test_fsdp_trains_bf16_weights_with_kahan_summation_as_one_process_does(work: Path) -> None:
     """``--precision bf16-true`` on two FSDP ranks: bf16 shards, gradients, states and Kahan buffers
-    (torch-optimi's step on DTensors). The ranks reduce-scatter in bf16, one rounding more than one process's
-    sum: within one bf16 step of its weights; each rank's peak is the estimate (packed rows: every
+    (torch-optimi's step on DTensors). The ranks reduce-scatter in fp32 and keep bf16, one rounding more than
+    one process's sum: within one bf16 step of its weights; each rank's peak is the estimate (packed rows: every
     micro-batch full width)."""
     model = write_tiny_llm(work / "bf16-llm", config={"hidden_size": 64, "intermediate_size": 128})
     data = write_pairs(work / "bf16-pairs.jsonl", count=64)

@@ -177,3 +177,24 @@ def test_a_sharded_lora_run_gathers_its_trained_parameters_alone_for_saving() ->
     assert saved.keys() == expected.keys() and len(everything) > len(saved)
     for name, tensor in saved.items():
         assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
+
+
+def test_hsdp_reducing_every_micro_step_all_reduces_across_the_groups_in_the_last_only() -> None:
+    """4 ranks in groups of 2 (a fake process group: collectives move no data): each micro-step reduce-scatters
+    inside the group into a partial shard, and only the window's last all-reduces it across the groups and sets
+    the sharded gradients."""
+    with distributed.fake_world(4, 2) as mesh:
+        model = distributed.shard(build_tiny_bert(), mesh, low_precision=None, cpu_offload=False, pin_memory=False)
+        sharded = [p for p in model.parameters() if p.requires_grad]
+        seen: list[bool] = []
+        every = distributed.micro_step_sync(model, every=True)
+
+        @contextlib.contextmanager
+        def sync(last: bool) -> Iterator[None]:
+            with every(last):
+                yield
+            seen.append(all(p.grad is not None for p in sharded))
+
+        accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
+                          device=torch.device("cpu"), phases=NoPhases(), sync=sync)
+    assert seen == [False, False, True]

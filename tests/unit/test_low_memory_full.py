@@ -146,7 +146,7 @@ def test_a_nonfinite_gradient_leaves_its_parameter_alone() -> None:
     ({"optimizer_in_backward": True, "max_grad_norm": None, "precision": "fp16"}, "fp16's loss scaler"),
     ({"kahan": True, "precision": "fp32"}, "use --precision bf16-true or drop --kahan"),
     ({"kahan": True, "precision": "bf16-true", "optimizer": "adamw8bit"}, "has no Kahan buffer"),
-    ({"precision": "bf16-true", "distributed": "ddp", "world_size": 2}, "trains on several GPUs with --distributed fsdp"),
+    ({"precision": "bf16-true", "distributed": "ddp", "world_size": 2}, "on several GPUs with --distributed fsdp"),
     ({"precision": "bf16-true", "distributed": "fsdp", "cpu_offload": True}, "bf16-true with --cpu-offload"),
 ])
 def test_what_they_cannot_do_is_refused_in_one_line(options: dict[str, object], message: str) -> None:

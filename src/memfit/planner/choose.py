@@ -28,6 +28,8 @@ from memfit.planner.families import (
     Family,
     default_kernels,
     leaner_kernels,
+    least_first,
+    runs_on,
     strategies,
     with_chunked_loss,
     with_sharded_gradients,
@@ -138,8 +140,8 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
                quantize_base=base.quantize_base, kahan=kahan(p), optimizer_in_backward=base.optimizer_in_backward,
                offload_optimizer=base.offload_optimizer, offload_activations=base.offload_activations,
                packing=base.packing)
-        for s, group in strategies(base, profile, search.per_node) for p in precisions for c in CHECKPOINTING],
-        base, task)
+        for s, group in strategies(base, profile, search.per_node) for p in precisions if runs_on(p, s)
+        for c in CHECKPOINTING], base, task)
     neutral = with_sharded_gradients(neutral, base)
     smallest = None
     if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
@@ -335,7 +337,8 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
             Family(precision=p, checkpointing=c, kernels=default_kernels(o, s, profile), optimizer=o, strategy=s,
                    shard_group=group, lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
             for s, group in strategies(search.base, profile, search.per_node) for o in optimizers
-            if runs_sharded(o) or not s.startswith("fsdp") for p in precisions for c in CHECKPOINTING],
+            if runs_sharded(o) or not s.startswith("fsdp") for p in precisions if runs_on(p, s)
+            for c in CHECKPOINTING],
             search.base, task)
         families = with_sharded_gradients(families, search.base)
         base_bytes = _base_floor(search, spec, technique, task)
@@ -373,7 +376,7 @@ def _least_need(search: Search, families: list[Family]) -> Candidate:
     LoRA base stored in 16 bits needs less than in fp32, so a LoRA that fits only in 16 bits is searched, not
     reported as not fitting; fp32 keeps no 16-bit copies of the weights, which autocast does."""
     leanest = dict.fromkeys(family for family in families if family.checkpointing == "full")
-    return min(search.exact_candidates(leanest), key=lambda candidate: candidate.predicted_peak_bytes or 0)
+    return min(search.exact_candidates(leanest), key=least_first)
 
 
 LORA_BASE_BYTES = 2

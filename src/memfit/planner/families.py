@@ -212,6 +212,17 @@ class Candidate:
                 f"{self.family.optimizer_label}{host}{freeze}{adapters}")
 
 
+def runs_on(precision: str, strategy: str) -> bool:
+    """Whether a setup in ``precision`` runs with ``strategy``: bf16-true weights train in one process or sharded
+    on the cards (not replicated by DDP, not offloaded)."""
+    return precision != "bf16-true" or strategy in ("none", "fsdp")
+
+
+def least_first(candidate: Candidate) -> tuple[bool, int]:
+    """The order of least needs: those that fit first (the host's memory too), then the least on the card."""
+    return not candidate.fits, candidate.predicted_peak_bytes or 0
+
+
 def with_chunked_loss(families: list[Family], base: TrainConfig, task: str) -> list[Family]:
     """``families`` and, for a causal LM whose run does not set ``--loss-chunk``, each fully checkpointed one
     again with its loss in chunks of :data:`LOSS_CHUNK`: where even full checkpointing leaves too much, the

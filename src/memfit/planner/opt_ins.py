@@ -35,6 +35,8 @@ from memfit.planner.families import (
     Candidate,
     Family,
     default_kernels,
+    least_first,
+    runs_on,
     with_chunked_loss,
     with_sharded_gradients,
 )
@@ -80,8 +82,9 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         return dataclasses.replace(family, offload_activations=True)
 
     def bf16_true(family: Family) -> Family | None:
-        if not profile.has_native_bf16 or family.strategy == "ddp" or family.offload_optimizer:
-            return None  # several GPUs: FSDP shards the bf16 weights, gradients and state, on the card
+        if not profile.has_native_bf16 or family.strategy == "ddp" or family.offload_optimizer or \
+                search.base.cpu_offload:  # several GPUs: FSDP shards the bf16 weights and state, on the cards
+            return None
         kahan = "8bit" not in family.optimizer and importlib.util.find_spec("optimi") is not None
         strategy = "fsdp" if family.strategy == "fsdp-offload" else family.strategy
         return dataclasses.replace(family, precision="bf16-true", kahan=kahan, strategy=strategy,
@@ -93,6 +96,8 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         strategy, group = family.strategy, family.shard_group
         if strategy.startswith("fsdp") and not runs_sharded(optimizer):  # replicated instead
             if search.base.distributed == "fsdp":
+                return None
+            if not runs_on(family.precision, "ddp"):
                 return None
             strategy, group = "ddp", None
         return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy, shard_group=group,
@@ -223,7 +228,7 @@ def _need(search: Search, flag: str, families: list[Family]) -> Advice:
     window that does)."""
     least = [family for family in families if family.checkpointing == "full"]
     needs = search.exact_candidates(least)
-    best = min(needs, key=lambda candidate: candidate.predicted_peak_bytes or 0)
+    best = min(needs, key=least_first)
     if best.fits:
         return Advice(f"{flag} would fit: it needs at least {format_bytes(best.predicted_peak_bytes or 0)}",
                       fits=best.family.opt_ins)

@@ -76,7 +76,7 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
     traffic += effective_batch * 2 * cost.offloaded_bytes_per_sample / profile.host_bandwidth
     if strategy == "none" or world_size == 1:
         return compute + overhead + traffic
-    gradients = (2 if precision == "bf16-true" else 4) * cost.trainable_parameters  # reduced in fp32 otherwise
+    gradients = 4 * cost.trainable_parameters  # reduced in fp32 (bf16-true's too: FSDP's reduce dtype)
     if strategy == "ddp":
         return compute + overhead + traffic + 2 * _share(world_size) * gradients / _bus(profile, world_size, per_node)
     gathered = 2 * accumulation_steps * cost.parameters * (4 if precision == "fp32" else 2)

@@ -14,8 +14,8 @@ in each step. On by default under ``bf16-true`` with AdamW and SGD; bitsandbytes
 buffer (``--optimizer adamw8bit`` runs without it).
 
 Several GPUs: under ``--distributed fsdp`` FSDP2 shards the bf16 weights, gradients, states and Kahan buffers
-as they are (no mixed-precision policy: weights gathered and gradients reduce-scattered in bf16, where mixed
-precision reduces in fp32; the ranks' average rounds once more than one process's sum).
+as they are; weights are gathered in bf16, gradients reduce-scattered in fp32 (mixed precision's reduce dtype)
+and kept in bf16, one rounding more than one process's sum.
 
 Incompatible: ``--kahan`` without ``bf16-true`` (fp32 weights lose nothing to round); ``--kahan`` with an 8-bit
 optimizer; ``bf16-true`` with fp16's GradScaler, with DDP, with ``--cpu-offload`` and with ``--offload-optimizer``
