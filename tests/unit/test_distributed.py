@@ -81,22 +81,29 @@ def test_fsdp_reduces_gradients_only_in_the_last_micro_step() -> None:
     assert seen == [False, False, True]  # unsharded gradients accumulate locally; one reduce-scatter at the end
 
 
+def sharded_gradients_after_each_micro_step(model: torch.nn.Module) -> list[bool]:
+    """Whether every sharded parameter of ``model`` has its gradient after each micro-step of a window of 3,
+    its gradients reduced in every micro-step."""
+    sharded = [p for p in model.parameters() if p.requires_grad]
+    seen: list[bool] = []
+    every = distributed.micro_step_sync(model, every=True)
+
+    @contextlib.contextmanager
+    def sync(last: bool) -> Iterator[None]:
+        with every(last):
+            yield
+        seen.append(all(p.grad is not None for p in sharded))
+
+    accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
+                      device=torch.device("cpu"), phases=NoPhases(), sync=sync)
+    return seen
+
+
 def test_fsdp_reduces_gradients_in_every_micro_step_when_asked() -> None:
     with distributed.process_group("fsdp", "cpu") as world:
         model = distributed.wrap(build_tiny_bert(), world, low_precision=None, device=torch.device("cpu"))
-        sharded = [p for p in model.parameters() if p.requires_grad]
-        seen: list[bool] = []
-        every = distributed.micro_step_sync(model, every=True)
-
-        @contextlib.contextmanager
-        def sync(last: bool) -> Iterator[None]:
-            with every(last):
-                yield
-            seen.append(all(p.grad is not None for p in sharded))
-
-        accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
-                          device=torch.device("cpu"), phases=NoPhases(), sync=sync)
-    assert seen == [True, True, True]  # each backward reduce-scatters into the sharded gradients
+        # each backward reduce-scatters into the sharded gradients
+        assert sharded_gradients_after_each_micro_step(model) == [True, True, True]
 
 
 def test_ddp_puts_each_rank_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,16 +192,4 @@ def test_hsdp_reducing_every_micro_step_all_reduces_across_the_groups_in_the_las
     the sharded gradients."""
     with distributed.fake_world(4, 2) as mesh:
         model = distributed.shard(build_tiny_bert(), mesh, low_precision=None, cpu_offload=False, pin_memory=False)
-        sharded = [p for p in model.parameters() if p.requires_grad]
-        seen: list[bool] = []
-        every = distributed.micro_step_sync(model, every=True)
-
-        @contextlib.contextmanager
-        def sync(last: bool) -> Iterator[None]:
-            with every(last):
-                yield
-            seen.append(all(p.grad is not None for p in sharded))
-
-        accumulate_window(model, micro_batches(3), 6, precision=Precision("fp32", "cpu"), scaler=None,
-                          device=torch.device("cpu"), phases=NoPhases(), sync=sync)
-    assert seen == [False, False, True]
+        assert sharded_gradients_after_each_micro_step(model) == [False, False, True]
