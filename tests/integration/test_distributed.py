@@ -270,6 +270,24 @@ def test_fsdp_trains_bf16_weights_with_kahan_summation_as_one_process_does(work:
                       estimate(config, device="cpu", seq_len=32).peak_bytes, built.model.layers[0])
 
 
+def test_a_stopped_bf16_run_resumes_its_kahan_state_exactly(work: Path) -> None:
+    """bf16-true on two FSDP ranks, stopped by a SIGTERM in its third window: the sharded checkpoint holds the
+    bf16 AdamW states and Kahan buffers, and the resumed run ends bit for bit where the uninterrupted one does."""
+    model = write_tiny_llm(work / "bf16-resume-llm", config={"hidden_size": 64, "intermediate_size": 128})
+    data = write_pairs(work / "bf16-resume.jsonl", count=64)
+    args = ["train", "--model", str(model), "--data", str(data), "--max-length", "32", "--effective-batch", "8",
+            "--micro-batch-size", "2", "--precision", "bf16-true", "--packing", "--max-steps", "4", "--lr", "1e-3",
+            "--seed", "0", "--log-every", "1", "--distributed", "fsdp", "--save-every", "2"]
+    assert torchrun([*args, "--output-dir", str(work / "bf16-whole")]).returncode == 0
+    out = [*args, "--output-dir", str(work / "bf16-stopped")]
+    first = torchrun(out, interrupt="term:5")  # rank 1, forward 5: in window 3 (2 micro-steps per window)
+    assert first.returncode != 0 and "SIGTERM after step 3" in first.stderr, first.stderr[-3000:]
+    second = torchrun([*out, "--resume"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert train_losses(work / "bf16-stopped") == train_losses(work / "bf16-whole")
+    assert_weights_close(work / "bf16-stopped", work / "bf16-whole", atol=0)
+
+
 def test_fsdp_ranks_receive_a_pretrained_llms_weights_from_rank_0(work: Path) -> None:
     """A Llama whose weights are saved in bf16 (loaded in fp32, as a random init is), trained with LoRA on two
     FSDP ranks: rank 1 builds it on the meta device and receives every weight and the rotary frequencies (a
