@@ -238,12 +238,8 @@ def with_sharded_gradients(families: list[Family], base: TrainConfig) -> list[Fa
     """``families`` and each FSDP one again with its gradients reduced in every micro-step: a window of several
     micro-batches otherwise keeps every trained parameter's unsharded gradient until its last backward. A run
     that asks for it (``--reduce-every-micro-step``) gets only those."""
-    sharded = [dataclasses.replace(f, reduce_every=True) for f in families
-               if f.strategy.startswith("fsdp") and not f.reduce_every]
-    if base.reduce_every_micro_step:
-        return list(dict.fromkeys(dataclasses.replace(f, reduce_every=True) if f.strategy.startswith("fsdp") else f
-                                  for f in families))
-    return list(dict.fromkeys([*families, *sharded]))
+    sharded = [dataclasses.replace(f, reduce_every=True) if f.strategy.startswith("fsdp") else f for f in families]
+    return list(dict.fromkeys(sharded if base.reduce_every_micro_step else [*families, *sharded]))
 
 
 def default_kernels(optimizer: str, strategy: str, profile: DeviceProfile, *, kahan: bool = False) -> str:
