@@ -141,3 +141,45 @@ def test_a_fit_that_leaves_a_trace_process_idle_traces_the_next_familys_first_po
     assert search._ahead([known, other]) == [(known, 4, True, True), (other, 4, True, True)]
     monkeypatch.setenv(WORKERS_ENV, "1")
     assert search._ahead([known, other]) == [(known, 4, True, True)]  # one process: nothing ahead
+
+
+def test_a_batch_that_would_leave_a_process_idle_takes_the_likeliest_next_traces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trace processes: a batch of one trace takes the fastest unconfirmed setup's exact trace beside it (a
+    confirmation), else what the plan names as upcoming; a batch of two takes nothing more; ``upcoming=True``
+    takes all that is upcoming."""
+    from memfit.devices import resolve_profile
+    from memfit.planner.families import Family
+    from memfit.planner.search import Search
+
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    monkeypatch.setattr(search_module, "side_by_side_usable", lambda: True)
+    batches: list[list[Any]] = []
+
+    def recorded(jobs: list[Any]) -> Any:
+        batches.append([job.args[0] for job in jobs])  # the configs traced
+        return ((index, job()) for index, job in enumerate(jobs))
+
+    monkeypatch.setattr(search_module, "side_by_side", recorded)
+    config = TrainConfig(model=str(write_tiny_llm(tmp_path / "llm")), max_length=16, effective_batch=8,
+                         task="causal-lm")
+    search = Search(config, resolve_profile("cpu"), usable_bytes=1 << 40, seq_len=16, image_size=None, num_labels=2)
+    full, none, every = (Family(precision="fp32", checkpointing=c, kernels="fused")
+                         for c in ("full", "none", "every-n"))
+    search.upcoming = lambda: [search.exact_request(every, 1)]
+
+    def traced(family: Family, micro: int) -> TrainConfig:
+        return search._request(*search.exact_request(family, micro))[2]
+
+    search.prefetch([search.exact_request(full, 1)])  # nothing predicted yet: the upcoming trace beside it
+    assert batches == [[traced(full, 1), traced(every, 1)]]
+    search.fit(none)  # its line's two points, traced side by side: nothing more
+    assert len(batches) == 2 and len(batches[1]) == 2
+    fastest = max((c for c in search.candidates.values() if not c.exact),
+                  key=lambda c: c.predicted_samples_per_second)
+    search.prefetch([search.line_request(full, 4)])
+    assert batches[2] == [search._request(*search.line_request(full, 4))[2],
+                          traced(fastest.family, fastest.micro_batch_size)]
+    search.upcoming = lambda: [search.exact_request(every, 2), search.exact_request(every, 4)]
+    search.prefetch([search.exact_request(none, 1)], upcoming=True)
+    assert batches[3] == [traced(none, 1), traced(every, 2), traced(every, 4)]

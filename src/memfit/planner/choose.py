@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import time
@@ -34,9 +35,9 @@ from memfit.planner.families import (
     with_chunked_loss,
     with_sharded_gradients,
 )
-from memfit.planner.opt_ins import bitsandbytes_problem, opt_ins
+from memfit.planner.opt_ins import bitsandbytes_problem, need_requests, opt_ins
 from memfit.planner.report import Plan, load_plan, plan_from_dict, rank_candidates, verdict_line
-from memfit.planner.search import Search
+from memfit.planner.search import Request, Search
 from memfit.quiet import quiet_transformers
 from memfit.report import format_bytes
 from memfit.techniques.bf16_true import uses_kahan
@@ -81,16 +82,22 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                      num_labels=num_labels, cache=cache, exact_trace=exact_trace, progress=progress,
                      per_node=gpus_per_node, host_memory=host_bytes, spec=inputs.spec, task=inputs.task)
     chosen_precisions = _fastest_first(profile, precisions)
+    stages = {name: allowed for name, allowed in (("lora", allow.lora), ("qlora", allow.qlora))
+              if (allowed or suggest) and not base.lora_rank}
+    optimizers = ("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",)
+    # where no full fine-tuning can fit, the adapters' least needs are traced beside its own
+    adapters = _adapters_least(search, profile, chosen_precisions, stages, rank=lora_rank, optimizers=optimizers,
+                               task=inputs.task, spec=spec) if stages and _states_exceed(search, base, spec,
+                                                                                          inputs.task) else []
+    search.upcoming = functools.partial(_upcoming, search, allow, suggest=suggest, num_layers=spec.num_layers,
+                                        task=inputs.task, adapters=adapters)
     chosen, smallest = _neutral(search, base, profile, chosen_precisions, spec, inputs.task)
     advice: list[Advice] = []
     if chosen is None:
         chosen, advice = opt_ins(search, smallest, spec.num_layers, allow, suggest=suggest, task=inputs.task)
-    if chosen is None and not base.lora_rank and (suggest or allow.adapters):
-        stages = {name: allowed for name, allowed in (("lora", allow.lora), ("qlora", allow.qlora))
-                  if allowed or suggest}
+    if chosen is None and stages:
         chosen = _adapters(search, profile, chosen_precisions, stages, rank=lora_rank, advice=advice,
-                           optimizers=("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",),
-                           task=inputs.task, spec=spec)
+                           optimizers=optimizers, task=inputs.task, spec=spec)
     ranked = rank_candidates(search, chosen, allowed=lambda f: allow.permits(f.opt_ins))
     verdict = verdict_line(chosen, smallest, [item.line for item in advice], usable, budget_bytes, margin,
                            host=search.host_per_node(shown.family, shown.predicted_host_bytes)
@@ -145,7 +152,7 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
     neutral = with_sharded_gradients(neutral, base)
     smallest = None
     if _states_exceed(search, base, spec, task):  # the least first: when even it does not fit, nothing does
-        smallest = _least_need(search, neutral)
+        smallest = _least_need(search, neutral, upcoming=True)
     if smallest is None or smallest.fits:
         search.search(neutral)
         chosen = search.best(confirmed=True)
@@ -159,13 +166,16 @@ def _neutral(search: Search, base: TrainConfig, profile: DeviceProfile, precisio
             if not search.exact_candidate(smallest.family, micro).fits:
                 break
         return search.best(confirmed=True), None
-    for kernels in leaner_kernels(smallest.family):
-        leaner = search.exact_candidate(dataclasses.replace(smallest.family, kernels=kernels),
-                                        search.least_micro(smallest.family))
-        if (leaner.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
-            smallest = leaner
+    search.least = smallest  # the opt-ins' least needs are traced beside the leaner steps'
+    leaner = [dataclasses.replace(smallest.family, kernels=kernels) for kernels in leaner_kernels(smallest.family)]
+    search.prefetch(search.exact_request(family, search.least_micro(family)) for family in leaner)
+    for family in leaner:
+        candidate = search.exact_candidate(family, search.least_micro(family))
+        if (candidate.predicted_peak_bytes or 0) < (smallest.predicted_peak_bytes or 0):
+            smallest = candidate
     chosen = search.best(confirmed=True)  # a leaner step's micro-batch 1 may fit
-    return chosen, None if chosen is not None else smallest
+    search.least = None if chosen is not None else smallest
+    return chosen, search.least
 
 
 def plan_for_run(prepared: Prepared, console: Console) -> tuple[TrainConfig, Plan]:
@@ -332,15 +342,8 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
         if problem:
             advice.append(Advice(f"{flag}: {problem}"))
             continue
-        quantized = "nf4" if technique == "qlora" else "none"
-        families = with_chunked_loss([
-            Family(precision=p, checkpointing=c, kernels=default_kernels(o, s, profile), optimizer=o, strategy=s,
-                   shard_group=group, lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
-            for s, group in strategies(search.base, profile, search.per_node) for o in optimizers
-            if runs_sharded(o) or not s.startswith("fsdp") for p in precisions if runs_on(p, s)
-            for c in CHECKPOINTING],
-            search.base, task)
-        families = with_sharded_gradients(families, search.base)
+        families = _adapter_families(search, profile, precisions, technique, rank=rank, optimizers=optimizers,
+                                     task=task)
         base_bytes = _base_floor(search, spec, technique, task)
         if base_bytes is not None:
             advice.append(over_by_weights(f"{flag} (r={rank})", "its base weights alone need at least", base_bytes,
@@ -362,6 +365,34 @@ def _adapters(search: Search, profile: DeviceProfile, precisions: tuple[str, ...
     return None
 
 
+def _adapter_families(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], technique: str, *,
+                      rank: int, optimizers: tuple[str, ...], task: str) -> list[Family]:
+    """The families of ``technique`` (``lora``/``qlora``) a plan searches."""
+    quantized = "nf4" if technique == "qlora" else "none"
+    families = with_chunked_loss([
+        Family(precision=p, checkpointing=c, kernels=default_kernels(o, s, profile), optimizer=o, strategy=s,
+               shard_group=group, lora_rank=rank, quantize_base=quantized, packing=search.base.packing)
+        for s, group in strategies(search.base, profile, search.per_node) for o in optimizers
+        if runs_sharded(o) or not s.startswith("fsdp") for p in precisions if runs_on(p, s)
+        for c in CHECKPOINTING],
+        search.base, task)
+    return with_sharded_gradients(families, search.base)
+
+
+def _adapters_least(search: Search, profile: DeviceProfile, precisions: tuple[str, ...], stages: dict[str, bool], *,
+                    rank: int, optimizers: tuple[str, ...], task: str, spec: ModelSpec) -> list[Request]:
+    """The least-need traces :func:`_adapters` asks for first: those of the first technique it traces."""
+    for technique in stages:
+        if adapter_problem(technique, profile) or _base_floor(search, spec, technique, task) is not None:
+            continue
+        families = _adapter_families(search, profile, precisions, technique, rank=rank, optimizers=optimizers,
+                                     task=task)
+        leanest = dict.fromkeys(_leanest_step(family, optimizers, profile) for family in families
+                                if family.checkpointing == "full")
+        return [search.exact_request(family, search.least_micro(family)) for family in leanest]
+    return []
+
+
 def _leanest_step(family: Family, optimizers: tuple[str, ...], profile: DeviceProfile) -> Family:
     """``family`` with the leanest of ``optimizers`` its strategy runs (the last one, 8-bit when allowed)."""
     optimizer = next(o for o in reversed(optimizers) if runs_sharded(o) or not family.strategy.startswith("fsdp"))
@@ -369,14 +400,23 @@ def _leanest_step(family: Family, optimizers: tuple[str, ...], profile: DevicePr
                                kernels=default_kernels(optimizer, family.strategy, profile))
 
 
-def _least_need(search: Search, families: list[Family]) -> Candidate:
+def _upcoming(search: Search, allow: Allowed, *, suggest: bool, num_layers: int, task: str,
+              adapters: list[Request]) -> list[Request]:
+    """The traces the plan likely asks for next (:attr:`Search.upcoming`): once the least need without opt-ins
+    is known and over the budget, the opt-ins' least needs; then ``adapters``' least needs."""
+    needs = [] if search.least is None else need_requests(search, search.least, num_layers, allow,
+                                                           suggest=suggest, task=task)
+    return [*needs, *adapters]
+
+
+def _least_need(search: Search, families: list[Family], *, upcoming: bool = False) -> Candidate:
     """The least ``families`` need: their fully checkpointed setups at the least micro-batch, with and without
     the loss in chunks (the chunks need more where one sample's logits are small beside the output layer's
     gradient), traced at every precision and the smallest taken. The slowest precision is not the leanest: a
     LoRA base stored in 16 bits needs less than in fp32, so a LoRA that fits only in 16 bits is searched, not
     reported as not fitting; fp32 keeps no 16-bit copies of the weights, which autocast does."""
     leanest = dict.fromkeys(family for family in families if family.checkpointing == "full")
-    return min(search.exact_candidates(leanest), key=least_first)
+    return min(search.exact_candidates(leanest, upcoming=upcoming), key=least_first)
 
 
 LORA_BASE_BYTES = 2

@@ -40,7 +40,7 @@ from memfit.planner.families import (
     with_chunked_loss,
     with_sharded_gradients,
 )
-from memfit.planner.search import Search
+from memfit.planner.search import Request, Search
 from memfit.report import format_bytes
 from memfit.techniques.optim import optimizer_problems
 
@@ -136,7 +136,7 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
     advice: list[Advice] = []
     tried = [stage for stage in stages(search, num_layers, allow) if stage.allowed or suggest]
     weights = _Weights.of(search, smallest)
-    _prefetch_needs(search, tried, bases, task, weights)
+    search.prefetch(_need_requests(search, tried, bases, task, weights))
     for stage in tried:
         changed = [family for family in map(stage.change, bases) if family is not None]
         if not changed:
@@ -207,9 +207,16 @@ def _stored(family: Family) -> tuple[object, ...]:
     return family.strategy, family.shard_group, family.precision == "bf16-true", family.lora_rank, family.quantize_base
 
 
-def _prefetch_needs(search: Search, tried: list[Stage], bases: list[Family], task: str, weights: _Weights) -> None:
-    """The least needs of the stages up to the first allowed one, traced side by side: until a stage is
-    allowed, every stage builds on the same setups."""
+def need_requests(search: Search, smallest: Candidate, num_layers: int, allow: Allowed, *, suggest: bool,
+                  task: str) -> list[Request]:
+    """The least needs :func:`opt_ins` traces first, side by side: those of the stages up to the first allowed
+    one (until a stage is allowed, every stage builds on the same setups)."""
+    tried = [stage for stage in stages(search, num_layers, allow) if stage.allowed or suggest]
+    return _need_requests(search, tried, [smallest.family], task, _Weights.of(search, smallest))
+
+
+def _need_requests(search: Search, tried: list[Stage], bases: list[Family], task: str,
+                   weights: _Weights) -> list[Request]:
     requests = []
     for stage in tried:
         changed = [family for family in map(stage.change, bases) if family is not None]
@@ -219,7 +226,7 @@ def _prefetch_needs(search: Search, tried: list[Stage], bases: list[Family], tas
                          for family in families if family.checkpointing == "full"]
         if stage.allowed:
             break
-    search.prefetch(requests)
+    return requests
 
 
 def _need(search: Search, flag: str, families: list[Family]) -> Advice:

@@ -3,16 +3,18 @@ every micro-batch, confirm the fastest fitting setups with exact traces."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile
+from memfit.errors import ConfigError
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
@@ -28,6 +30,9 @@ BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
 SMALLEST_BAND = 0.10
 """Families whose line at micro-batch 1 is this close above the lowest are traced there too."""
+Request = tuple[Family, int, bool, bool]
+"""A trace the search asks for: (family, micro-batch, accumulate, lean)."""
+
 def micro_batch_sizes(effective_batch: int) -> list[int]:
     """Micro-batch sizes worth trying, largest first: E/k rounded up for k a divisor of E or a power of two
     (a remainder goes to a smaller last micro-step), one per distinct size."""
@@ -101,6 +106,12 @@ class Search:
         self.ruled_out: dict[Family, Candidate] = {}
         """Families not traced because a family that checkpoints more does not fit at its least micro-batch (the
         candidate that shows it)."""
+        self.least: Candidate | None = None
+        """The least any setup without opt-ins needs, once traced and found over the budget (the opt-ins build on
+        its family)."""
+        self.upcoming: Callable[[], Iterable[Request]] | None = None
+        """Traces the plan will likely ask for later (the opt-ins' and adapters' least needs): a batch traced side
+        by side takes them where it would leave a process idle."""
 
     def ranks(self, family: Family) -> int:
         return self.world_size if family.ranks else 1
@@ -127,17 +138,34 @@ class Search:
             self.traces[key] = self.cache[shared]
         return self.traces.get(key)
 
-    def prefetch(self, requests: Iterable[tuple[Family, int, bool, bool]]) -> None:
+    def prefetch(self, requests: Iterable[Request], *, upcoming: bool = False, fill: bool = True) -> None:
         """Trace ``requests`` (family, micro-batch, accumulate, lean) not traced yet side by side
         (:mod:`memfit.planner.workers`), ahead of the search asking for them one by one; a trace that fails
-        is left for the search to run, and raise, itself."""
+        is left for the search to run, and raise, itself. A batch that would leave a process idle (fewer traces
+        than processes, or a last round short of one) takes the traces likely asked for next: the setups a
+        confirmation traces (the fastest unconfirmed ones), then :attr:`upcoming` (all of it when ``upcoming``;
+        none when not ``fill``)."""
         if not side_by_side_usable():  # one at a time: the search traces each when it needs it
             return
         missing: dict[Any, tuple[Family, TrainConfig, bool]] = {}
-        for family, micro, accumulate, lean in requests:
-            key, shared, config = self._request(family, micro, accumulate=accumulate, lean=lean)
+
+        def add(request: Request) -> None:
+            key, shared, config = self._request(*request)
             if shared not in self.cache:
-                missing.setdefault(shared, (family, config, key[3]))
+                missing.setdefault(shared, (request[0], config, key[3]))
+
+        for request in requests:
+            add(request)
+        if not missing:
+            return
+        workers = worker_count()
+        fillers = self._fillers(everything_upcoming=upcoming)
+        while upcoming or (fill and len(missing) % workers):
+            guess = next(fillers, None)
+            if guess is None:
+                break
+            with contextlib.suppress(ConfigError):  # a guess this run cannot configure is not traced
+                add(guess)
         if len(missing) < 2:
             return
         jobs = [functools.partial(self._estimate, config, lean=lean) for _, config, lean in missing.values()]
@@ -147,7 +175,16 @@ class Search:
                 self.cache[shared] = result
                 self._told(family)
 
-    def _ahead(self, ranked: list[Family]) -> list[tuple[Family, int, bool, bool]]:
+    def _fillers(self, *, everything_upcoming: bool) -> Iterator[Request]:
+        """The traces a batch takes beside what it was asked for (see :meth:`prefetch`), likeliest first;
+        ``everything_upcoming``: only, and all of, :attr:`upcoming`."""
+        if not everything_upcoming:
+            ranked = sorted(self.candidates.values(), key=lambda c: -c.predicted_samples_per_second)
+            yield from (self.exact_request(c.family, c.micro_batch_size) for c in ranked if self._unconfirmed(c))
+        if self.upcoming is not None:
+            yield from self.upcoming()
+
+    def _ahead(self, ranked: list[Family]) -> list[Request]:
         """The first family's traces, and, where they leave trace processes idle, the next families' first
         untraced ones: a family fitted next usually (one whose bound a fit leaves below the best), a trace wasted
         on an idle core otherwise."""
@@ -166,8 +203,8 @@ class Search:
         """Whether that trace was made already (by this search or one sharing its cache)."""
         return self._request(family, micro, accumulate=accumulate, lean=lean)[1] in self.cache
 
-    def _request(self, family: Family, micro: int, *, accumulate: bool,
-                 lean: bool) -> tuple[tuple[Family, int, bool, bool], Any, TrainConfig]:
+    def _request(self, family: Family, micro: int, accumulate: bool,
+                 lean: bool) -> tuple[Request, Any, TrainConfig]:
         """(the search's key, the shared cache's key, the config traced) of a trace."""
         accumulate = accumulate and not family.optimizer_in_backward  # a window of one micro-batch there
         lean = lean and accumulate  # a window of one micro-batch is lean already
@@ -186,7 +223,7 @@ class Search:
         if self.progress is not None:
             self.progress(family.technique_label)
 
-    def line_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:
+    def line_request(self, family: Family, micro: int) -> Request:
         return family, micro, True, True
 
     def line_micros(self, family: Family) -> list[int]:
@@ -197,7 +234,7 @@ class Search:
             return [micro for micro in accumulated[:1] if micro > 1]
         return accumulated[:2]
 
-    def fit_requests(self, family: Family) -> list[tuple[Family, int, bool, bool]]:
+    def fit_requests(self, family: Family) -> list[Request]:
         """The traces :meth:`fit` asks for first (what a search may trace ahead, beside another family's)."""
         if family.optimizer_in_backward:
             return [self.exact_request(family, self.effective)]
@@ -212,7 +249,7 @@ class Search:
             return []  # its fit ends at its least need, which does not fit
         return [self.line_request(family, micro) for micro in self.line_micros(family)]
 
-    def exact_request(self, family: Family, micro: int) -> tuple[Family, int, bool, bool]:
+    def exact_request(self, family: Family, micro: int) -> Request:
         return family, micro, math.ceil(self.effective / micro) > 1, False
 
     def line_point(self, family: Family, micro: int) -> Estimate:
@@ -409,7 +446,9 @@ class Search:
         changed = False
         confirmed = 0
         ranked = sorted(self.candidates.values(), key=lambda c: -c.predicted_samples_per_second)
-        self.prefetch(self.exact_request(c.family, c.micro_batch_size) for c in self._to_confirm(ranked))
+        # not filled: the plan usually ends with these, and a guess would only keep it waiting
+        self.prefetch((self.exact_request(c.family, c.micro_batch_size) for c in self._to_confirm(ranked)),
+                      fill=False)
         for candidate in ranked:
             if confirmed == 2:
                 break
@@ -468,10 +507,12 @@ class Search:
             candidate.predicted_peak_bytes <= self.usable * (1 + BAND)
         return not candidate.exact and (bool(candidate.fits) or near)
 
-    def exact_candidates(self, families: Iterable[Family]) -> list[Candidate]:
-        """Each of ``families`` at its least micro-batch from an exact trace, traced side by side."""
+    def exact_candidates(self, families: Iterable[Family], *, upcoming: bool = False) -> list[Candidate]:
+        """Each of ``families`` at its least micro-batch from an exact trace, traced side by side (``upcoming``:
+        with everything :attr:`upcoming` names)."""
         families = list(families)
-        self.prefetch(self.exact_request(family, self.least_micro(family)) for family in families)
+        self.prefetch((self.exact_request(family, self.least_micro(family)) for family in families),
+                      upcoming=upcoming)
         return [self.exact_candidate(family, self.least_micro(family)) for family in families]
 
     def exact_candidate(self, family: Family, micro: int) -> Candidate:

@@ -9,6 +9,11 @@ process traces too; each takes the next trace of the batch in turn. The plan's a
 process's, to the byte, and so is the number of traces it reports (a trace asked for ahead of need counts
 only when the search uses it).
 
+A batch that would leave a process idle (one trace, or a last round short of one) also takes the traces the
+plan likely asks for next (:meth:`memfit.planner.search.Search.prefetch`): the fastest unconfirmed setups, the
+opt-ins' least needs once the least need without them is over the budget, and, where no full fine-tuning can
+fit, the adapters' least needs beside its own (one batch instead of two).
+
 Trade-off: a fork per batch costs milliseconds, a trace asked for ahead of need may go unused (the second
 setup of a confirmation that changes the answer), and each worker holds its own copy of what it traces (a few
 hundred MB for an 8B model's shortened trace). Forking runs on Linux, from a process with one thread: a plan
