@@ -85,6 +85,20 @@ def test_a_failing_job_answers_none_for_the_caller_to_run_again(monkeypatch: pyt
         assert dict(side_by_side([lambda: 1, _fails, lambda: 3])) == {0: 1, 1: None, 2: 3}
 
 
+def test_guesses_run_only_beside_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs from ``needed`` on are guesses: this process alone does not run them (each answers ``None``)."""
+    monkeypatch.setenv(WORKERS_ENV, "1")
+    ran: list[int] = []
+
+    def job(value: int) -> int:
+        ran.append(value)
+        return value
+
+    assert dict(side_by_side([functools.partial(job, value) for value in range(3)], needed=1)) == \
+        {0: 0, 1: None, 2: None}
+    assert ran == [0]
+
+
 def test_the_worker_count_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(WORKERS_ENV, "0")
     with pytest.raises(ConfigError, match="MEMFIT_TRACE_WORKERS='0': give a whole number"):
@@ -104,8 +118,8 @@ def test_a_plan_traced_side_by_side_equals_one_traced_alone(tmp_path: Path, monk
     processes = tmp_path / "processes"
     processes.mkdir()
     real = search_module.side_by_side
-    monkeypatch.setattr(search_module, "side_by_side", lambda jobs: real(
-        [functools.partial(_noting_the_process, processes, job) for job in jobs]))
+    monkeypatch.setattr(search_module, "side_by_side", lambda jobs, needed=None: real(
+        [functools.partial(_noting_the_process, processes, job) for job in jobs], needed))
     answers: list[dict[str, Any]] = []
     for workers in ("1", "2"):
         monkeypatch.setenv(WORKERS_ENV, workers)
@@ -119,6 +133,38 @@ def test_a_plan_traced_side_by_side_equals_one_traced_alone(tmp_path: Path, monk
     assert len(list(processes.iterdir())) > 1  # workers traced some of the second plan
     assert json.dumps(answers[0], sort_keys=True) == json.dumps(answers[1], sort_keys=True)
     assert answers[0]["chosen"] is not None and "would not fit either" in answers[0]["verdict"]
+
+
+@pytest.mark.slow
+@forking
+@pytest.mark.usefixtures("one_thread")
+def test_where_no_full_fine_tuning_can_fit_the_adapters_least_needs_join_its_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """300,928 parameters: their fp32 weights, gradients and AdamW states alone (4.6 MiB) are over the 3.8 MiB
+    usable, so LoRA's least needs are traced in full fine-tuning's first batch; the plan, LoRA's, is the one a
+    single process makes."""
+    model = write_tiny_llm(tmp_path / "llm", config={"hidden_size": 128, "intermediate_size": 256,
+                                                     "num_attention_heads": 4, "num_key_value_heads": 2})
+    config = TrainConfig(model=str(model), task="causal-lm", max_length=64, effective_batch=2)
+    batches: list[list[TrainConfig]] = []
+    real = search_module.side_by_side
+
+    def recorded(jobs: list[Any], needed: int | None = None) -> Any:
+        batches.append([job.args[0] for job in jobs])
+        return real(jobs, needed)
+
+    monkeypatch.setattr(search_module, "side_by_side", recorded)
+    answers: list[str] = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        result = plan(config, device="cpu", budget="4MiB", seq_len=64, allow=Allowed(lora=True),
+                      precisions=("fp32",), lora_rank=4)
+        document = result.to_dict()
+        document.pop("seconds")
+        answers.append(json.dumps(document, sort_keys=True))
+    assert answers[0] == answers[1]
+    assert result.chosen is not None and result.chosen.family.technique == "lora"
+    assert {traced.lora_rank for traced in batches[0]} == {0, 4}  # full fine-tuning's least needs and LoRA's
 
 
 def test_a_fit_that_leaves_a_trace_process_idle_traces_the_next_familys_first_point(
@@ -145,9 +191,10 @@ def test_a_fit_that_leaves_a_trace_process_idle_traces_the_next_familys_first_po
 
 def test_a_batch_that_would_leave_a_process_idle_takes_the_likeliest_next_traces(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two trace processes: a batch of one trace takes the fastest unconfirmed setup's exact trace beside it (a
-    confirmation), else what the plan names as upcoming; a batch of two takes nothing more; ``upcoming=True``
-    takes all that is upcoming."""
+    """Two trace processes: a batch of one trace takes a guess beside it, the fastest unconfirmed setup's exact
+    trace (a confirmation) before what the plan names as upcoming; a batch of two takes nothing more;
+    ``upcoming=True`` takes all that is upcoming. Guesses stay out of the shared cache until the search asks for
+    one, which then costs no trace."""
     from memfit.devices import resolve_profile
     from memfit.planner.families import Family
     from memfit.planner.search import Search
@@ -156,30 +203,37 @@ def test_a_batch_that_would_leave_a_process_idle_takes_the_likeliest_next_traces
     monkeypatch.setattr(search_module, "side_by_side_usable", lambda: True)
     batches: list[list[Any]] = []
 
-    def recorded(jobs: list[Any]) -> Any:
+    def recorded(jobs: list[Any], needed: int | None = None) -> Any:
         batches.append([job.args[0] for job in jobs])  # the configs traced
         return ((index, job()) for index, job in enumerate(jobs))
 
     monkeypatch.setattr(search_module, "side_by_side", recorded)
     config = TrainConfig(model=str(write_tiny_llm(tmp_path / "llm")), max_length=16, effective_batch=8,
                          task="causal-lm")
-    search = Search(config, resolve_profile("cpu"), usable_bytes=1 << 40, seq_len=16, image_size=None, num_labels=2)
+    cache: dict[Any, Any] = {}
+    search = Search(config, resolve_profile("cpu"), usable_bytes=1 << 40, seq_len=16, image_size=None, num_labels=2,
+                    cache=cache)
     full, none, every = (Family(precision="fp32", checkpointing=c, kernels="fused")
-                         for c in ("full", "none", "every-n"))
-    search.upcoming = lambda: [search.exact_request(every, 1)]
+                         for c in ("full", "none", "every-2"))
 
     def traced(family: Family, micro: int) -> TrainConfig:
         return search._request(*search.exact_request(family, micro))[2]
 
+    search.upcoming = lambda: [search.exact_request(every, 1)]
     search.prefetch([search.exact_request(full, 1)])  # nothing predicted yet: the upcoming trace beside it
     assert batches == [[traced(full, 1), traced(every, 1)]]
+    assert search._request(*search.exact_request(every, 1))[1] not in cache  # a guess: not shared
     search.fit(none)  # its line's two points, traced side by side: nothing more
     assert len(batches) == 2 and len(batches[1]) == 2
     fastest = max((c for c in search.candidates.values() if not c.exact),
                   key=lambda c: c.predicted_samples_per_second)
+    search.upcoming = lambda: [search.exact_request(every, 2)]
     search.prefetch([search.line_request(full, 4)])
     assert batches[2] == [search._request(*search.line_request(full, 4))[2],
                           traced(fastest.family, fastest.micro_batch_size)]
     search.upcoming = lambda: [search.exact_request(every, 2), search.exact_request(every, 4)]
     search.prefetch([search.exact_request(none, 1)], upcoming=True)
     assert batches[3] == [traced(none, 1), traced(every, 2), traced(every, 4)]
+    monkeypatch.setattr(search_module, "estimate", lambda *args, **kwargs: pytest.fail("traced again"))
+    guessed = search.exact(every, 1)  # asked for now: taken, and shared from then on
+    assert cache[search._request(*search.exact_request(every, 1))[1]] is guessed

@@ -74,8 +74,7 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
                                                         lora_rank=lora_rank if allow.adapters else None,
                                                         gpus_per_node=gpus_per_node, host_memory=host_memory)
     inputs = prepare_trace(base, device=profile, seq_len=seq_len, image_size=image_size, steps=1)  # errors now
-    given = allow.flags
-    allow = asked_for(allow, base, precisions)
+    given, allow = allow.flags, asked_for(allow, base, precisions)
     spec = inputs.spec
     usable = int(budget_bytes * (1 - margin))
     search = Search(base, profile, usable_bytes=usable, seq_len=seq_len, image_size=image_size,
@@ -85,12 +84,8 @@ def plan(config: TrainConfig | None = None, *, model: str | None = None, device:
     stages = {name: allowed for name, allowed in (("lora", allow.lora), ("qlora", allow.qlora))
               if (allowed or suggest) and not base.lora_rank}
     optimizers = ("adamw", "adamw8bit") if allow.eight_bit_optimizer else ("adamw",)
-    # where no full fine-tuning can fit, the adapters' least needs are traced beside its own
-    adapters = _adapters_least(search, profile, chosen_precisions, stages, rank=lora_rank, optimizers=optimizers,
-                               task=inputs.task, spec=spec) if stages and _states_exceed(search, base, spec,
-                                                                                          inputs.task) else []
-    search.upcoming = functools.partial(_upcoming, search, allow, suggest=suggest, num_layers=spec.num_layers,
-                                        task=inputs.task, adapters=adapters)
+    _speculate(search, allow, chosen_precisions, stages, suggest=suggest, rank=lora_rank, optimizers=optimizers,
+               spec=spec, task=inputs.task)
     chosen, smallest = _neutral(search, base, profile, chosen_precisions, spec, inputs.task)
     advice: list[Advice] = []
     if chosen is None:
@@ -398,6 +393,21 @@ def _leanest_step(family: Family, optimizers: tuple[str, ...], profile: DevicePr
     optimizer = next(o for o in reversed(optimizers) if runs_sharded(o) or not family.strategy.startswith("fsdp"))
     return dataclasses.replace(family, optimizer=optimizer,
                                kernels=default_kernels(optimizer, family.strategy, profile))
+
+
+def _speculate(search: Search, allow: Allowed, precisions: tuple[str, ...], stages: dict[str, bool], *,
+               suggest: bool, rank: int, optimizers: tuple[str, ...], spec: ModelSpec, task: str) -> None:
+    """Tell ``search`` what the plan likely traces later (:attr:`Search.upcoming`): the opt-ins' least needs,
+    and the adapters' where nothing else can be chosen (their first technique's, beside full fine-tuning's least
+    needs): full fine-tuning's fp32 weights, gradients and AdamW states alone exceed the card, no opt-in is
+    allowed and no precision the user names stores weights in 16 bits."""
+    opt_ins_allowed = dataclasses.replace(allow, lora=False, qlora=False) != NOTHING
+    adapters = _adapters_least(search, search.profile, precisions, stages, rank=rank, optimizers=optimizers,
+                               task=task, spec=spec) \
+        if stages and not opt_ins_allowed and "bf16-true" not in precisions \
+        and _states_exceed(search, search.base, spec, task) else []
+    search.upcoming = functools.partial(_upcoming, search, allow, suggest=suggest, num_layers=spec.num_layers,
+                                        task=task, adapters=adapters)
 
 
 def _upcoming(search: Search, allow: Allowed, *, suggest: bool, num_layers: int, task: str,

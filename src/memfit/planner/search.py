@@ -3,7 +3,6 @@ every micro-batch, confirm the fastest fitting setups with exact traces."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -14,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.config import TrainConfig
 from memfit.devices import DeviceProfile
-from memfit.errors import ConfigError
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.families import CHECKPOINTING, Candidate, Family
 from memfit.planner.speed import STEPS, StepCost, step_seconds
@@ -109,6 +107,10 @@ class Search:
         self.least: Candidate | None = None
         """The least any setup without opt-ins needs, once traced and found over the budget (the opt-ins build on
         its family)."""
+        self.guessed: dict[Any, Estimate] = {}
+        """Traces made ahead of any request (:meth:`prefetch`'s guesses), by the shared cache's key: moved into
+        the cache when the search asks for one (:meth:`trace`), read nowhere else, so that neither this search's
+        decisions nor a later plan sharing the cache see a trace no search asked for."""
         self.upcoming: Callable[[], Iterable[Request]] | None = None
         """Traces the plan will likely ask for later (the opt-ins' and adapters' least needs): a batch traced side
         by side takes them where it would leave a process idle."""
@@ -125,7 +127,8 @@ class Search:
         key, shared, config = self._request(family, micro, accumulate=accumulate, lean=lean)
         if key not in self.traces:
             if shared not in self.cache:
-                self.cache[shared] = self._estimate(config, lean=key[3])
+                guessed = self.guessed.pop(shared, None)
+                self.cache[shared] = guessed if guessed is not None else self._estimate(config, lean=key[3])
                 self._told(family)
             self.traces[key] = self.cache[shared]
         return self.traces[key]
@@ -142,38 +145,41 @@ class Search:
         """Trace ``requests`` (family, micro-batch, accumulate, lean) not traced yet side by side
         (:mod:`memfit.planner.workers`), ahead of the search asking for them one by one; a trace that fails
         is left for the search to run, and raise, itself. A batch that would leave a process idle (fewer traces
-        than processes, or a last round short of one) takes the traces likely asked for next: the setups a
-        confirmation traces (the fastest unconfirmed ones), then :attr:`upcoming` (all of it when ``upcoming``;
-        none when not ``fill``)."""
+        than processes, or a last round short of one) also takes *guesses*, the traces likely asked for next: the
+        setups a confirmation traces (the fastest unconfirmed ones), then :attr:`upcoming` (all of it when
+        ``upcoming``; none when not ``fill``). A guess is kept in :attr:`guessed` until the search asks for it."""
         if not side_by_side_usable():  # one at a time: the search traces each when it needs it
             return
         missing: dict[Any, tuple[Family, TrainConfig, bool]] = {}
 
         def add(request: Request) -> None:
             key, shared, config = self._request(*request)
-            if shared not in self.cache:
+            if shared not in self.cache and shared not in self.guessed:
                 missing.setdefault(shared, (request[0], config, key[3]))
 
         for request in requests:
             add(request)
-        if not missing:
+        needed = len(missing)
+        if not needed:
             return
         workers = worker_count()
-        fillers = self._fillers(everything_upcoming=upcoming)
+        guesses = self._fillers(everything_upcoming=upcoming)
         while upcoming or (fill and len(missing) % workers):
-            guess = next(fillers, None)
+            guess = next(guesses, None)
             if guess is None:
                 break
-            with contextlib.suppress(ConfigError):  # a guess this run cannot configure is not traced
-                add(guess)
+            add(guess)
         if len(missing) < 2:
             return
         jobs = [functools.partial(self._estimate, config, lean=lean) for _, config, lean in missing.values()]
-        for index, result in side_by_side(jobs):
+        for index, result in side_by_side(jobs, needed=needed):
             if result is not None:
                 shared, (family, _, _) = list(missing.items())[index]
-                self.cache[shared] = result
-                self._told(family)
+                if index < needed:
+                    self.cache[shared] = result
+                    self._told(family)
+                else:  # told when the search takes it
+                    self.guessed[shared] = result
 
     def _fillers(self, *, everything_upcoming: bool) -> Iterator[Request]:
         """The traces a batch takes beside what it was asked for (see :meth:`prefetch`), likeliest first;

@@ -9,10 +9,13 @@ process traces too; each takes the next trace of the batch in turn. The plan's a
 process's, to the byte, and so is the number of traces it reports (a trace asked for ahead of need counts
 only when the search uses it).
 
-A batch that would leave a process idle (one trace, or a last round short of one) also takes the traces the
-plan likely asks for next (:meth:`memfit.planner.search.Search.prefetch`): the fastest unconfirmed setups, the
-opt-ins' least needs once the least need without them is over the budget, and, where no full fine-tuning can
-fit, the adapters' least needs beside its own (one batch instead of two).
+A batch that would leave a process idle (one trace, or a last round short of one) also takes *guesses*, the
+traces the plan likely asks for next (:meth:`memfit.planner.search.Search.prefetch`): the fastest unconfirmed
+setups, the opt-ins' least needs once the least need without them is over the budget. Where nothing but an
+adapter can be chosen (no opt-in allowed, full fine-tuning's fp32 weights, gradients and AdamW states alone over
+the card), the first adapter technique's least needs join full fine-tuning's first batch. A guess is kept apart
+until the search asks for it (no decision, and no plan sharing the cache, sees it before), and runs only beside
+a worker: a batch this process ends up running alone skips its guesses.
 
 Trade-off: a fork per batch costs milliseconds, a trace asked for ahead of need may go unused (the second
 setup of a confirmation that changes the answer), and each worker holds its own copy of what it traces (a few
@@ -73,14 +76,17 @@ def side_by_side_usable() -> bool:
     return worker_count() > 1 and can_fork()
 
 
-def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Result | None]]:
+def side_by_side(jobs: Sequence[Callable[[], Result]],
+                 needed: int | None = None) -> Iterator[tuple[int, Result | None]]:
     """Run ``jobs`` (each returning a picklable result), yielding ``(index, result)`` as each ends, in no
     fixed order. A job that raises yields ``None``: the caller runs it again itself, where its error is
-    raised as usual."""
+    raised as usual. ``needed``: the jobs from this index on are guesses, worth running only beside the
+    others: where a worker fails and this process is left to run what is missing, each guess yields ``None``
+    unrun."""
     workers = min(worker_count(), len(jobs)) - 1  # this process is one of them
     if workers < 1 or not can_fork():
         for index, job in enumerate(jobs):
-            yield index, _quietly(job)
+            yield index, None if needed is not None and index >= needed else _quietly(job)
         return
     global _JOBS, _fork_broken
     context = multiprocessing.get_context("fork")
@@ -99,7 +105,8 @@ def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Re
         done: set[int] = set()
         while (index := _next(taken)) < len(jobs):
             done.add(index)
-            yield index, _quietly(jobs[index])
+            alone = not any(process.is_alive() for process in processes)  # none started, left, or could work
+            yield index, None if alone and needed is not None and index >= needed else _quietly(jobs[index])
         while len(done) < len(jobs):
             try:
                 index, result = results.get(timeout=1.0)
@@ -110,7 +117,7 @@ def side_by_side(jobs: Sequence[Callable[[], Result]]) -> Iterator[tuple[int, Re
                 # a worker died without answering (killed): this process runs what is missing
                 for index in sorted(set(range(len(jobs))) - done):
                     done.add(index)
-                    yield index, _quietly(jobs[index])
+                    yield index, None if needed is not None and index >= needed else _quietly(jobs[index])
                 break
             done.add(index)
             yield index, result
