@@ -386,7 +386,7 @@ def full_state_dict(model: nn.Module, *, trained_only: bool = False) -> dict[str
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # a tied weight is gathered under each of its names, as copies that share nothing: saved once, under its
         # first name (as one process saves it)
-        return {name: value for name, value in weights.items() if name not in _aliases(unwrap(model))}
+        return {name: value for name, value in weights.items() if name not in tied_aliases(unwrap(model))}
     trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
     gathered: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():  # the same order on every rank: each gather a collective
@@ -399,7 +399,7 @@ def full_state_dict(model: nn.Module, *, trained_only: bool = False) -> dict[str
     return gathered
 
 
-def _aliases(model: nn.Module) -> set[str]:
+def tied_aliases(model: nn.Module) -> set[str]:
     """The names under which a parameter named earlier appears again (tied weights: an LM's output layer)."""
     seen: set[int] = set()
     aliases = set()

@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from memfit import checkpointer, checkpoints, distributed, rank0_load
+from memfit import checkpointer, checkpoints, distributed, rank0_load, streamed_export
 from memfit.build import Prepared, build_base_for, build_model_for, build_optimizer_for
 from memfit.config import TrainConfig
 from memfit.data.batches import window_order
@@ -314,12 +314,18 @@ def finish(run: Run, started: float) -> Summary:
 
 
 def save_final_model(run: Run) -> None:
-    """The fine-tuned model as a Hugging Face directory; distributed, gathered to rank 0 (a collective)."""
+    """The fine-tuned model as a Hugging Face directory (distributed, a collective): FSDP's full fine-tuning
+    written from the shards (:mod:`memfit.streamed_export`), else gathered to rank 0 (an adapter alone, its base
+    not gathered)."""
     adapters = bool(run.config.lora_rank) and run.world.strategy == "fsdp"  # saved alone: the base not gathered
-    weights = distributed.full_state_dict(run.model, trained_only=adapters) if run.world.distributed else None
+    if run.world.strategy == "fsdp" and not adapters and streamed_export.streams(run.model):
+        streamed_export.save(run.model, run.output_dir / "model", main=run.world.is_main)
+    else:
+        weights = distributed.full_state_dict(run.model, trained_only=adapters) if run.world.distributed else None
+        if run.world.is_main:
+            saved: Any = distributed.unwrap(run.model)
+            saved.save_pretrained(run.output_dir / "model", safe_serialization=True, state_dict=weights)
     if run.world.is_main:
-        saved: Any = distributed.unwrap(run.model)
-        saved.save_pretrained(run.output_dir / "model", safe_serialization=True, state_dict=weights)
         if run.prepared.tokenizer is not None:
             run.prepared.tokenizer.save_pretrained(run.output_dir / "model")
         if run.config.merge:  # the adapter merged into the base as loaded (its saved dtype, not quantised)

@@ -253,7 +253,11 @@ def load_fp32(prepared: Prepared) -> nn.Module:
 
 
 def weights_bytes(directory: Path) -> int:
-    return sum((directory / name).stat().st_size for name in WEIGHT_FILES if (directory / name).is_file())
+    """The bytes of a model directory's weight files (every shard of an index)."""
+    from memfit.hub import safetensors_files
+
+    files = safetensors_files(directory) or [directory / name for name in WEIGHT_FILES if (directory / name).is_file()]
+    return sum(path.stat().st_size for path in files)
 
 
 def classification_only(prepared: Prepared, source: str, command: str) -> Prepared:

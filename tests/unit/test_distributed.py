@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,6 +185,45 @@ def test_a_sharded_lora_run_gathers_its_trained_parameters_alone_for_saving() ->
     assert saved.keys() == expected.keys() and len(everything) > len(saved)
     for name, tensor in saved.items():
         assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
+
+
+def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_it(tmp_path: Path) -> None:
+    """FSDP full fine-tuning's model written from each rank's shards and consolidated, never gathered: files of
+    at most the bytes asked for and their index, no shards left, the config one process writes, a tied weight
+    once; transformers loads every weight as it was."""
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    from memfit import streamed_export
+    from tests.conftest import write_tiny_llm
+
+    source = write_tiny_llm(tmp_path / "llm", config={"tie_word_embeddings": True})
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(source))
+    expected = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "one")  # one process's save
+    with distributed.process_group("fsdp", "cpu") as world:
+        sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
+        assert streamed_export.streams(sharded)
+        streamed_export.save(sharded, tmp_path / "model", main=True, file_bytes=40_000)
+        streamed_export.save(sharded, tmp_path / "whole", main=True)  # under 50 GB: one file, as one process's
+    assert sorted(path.name for path in (tmp_path / "whole").iterdir()) == sorted(
+        path.name for path in (tmp_path / "one").iterdir())
+    with safe_open(tmp_path / "whole" / "model.safetensors", "pt") as whole:
+        assert all(torch.equal(whole.get_tensor(name), expected[name]) for name in whole.keys())
+    saved = tmp_path / "model"
+    files = sorted(path.name for path in saved.iterdir())
+    weights = [name for name in files if name.endswith(".safetensors")]
+    assert files == ["config.json", "generation_config.json", *weights, "model.safetensors.index.json"]
+    assert len(weights) > 1 and all((saved / name).stat().st_size < 40_000 + 4_096 for name in weights)
+    assert json.loads((saved / "config.json").read_text()) == json.loads((tmp_path / "one" / "config.json").read_text())
+    with safe_open(tmp_path / "one" / "model.safetensors", "pt") as one:
+        assert set(json.loads((saved / "model.safetensors.index.json").read_text())["weight_map"]) == set(one.keys())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(saved).state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value), name
 
 
 def test_hsdp_reducing_every_micro_step_all_reduces_across_the_groups_in_the_last_only() -> None:
