@@ -272,7 +272,7 @@ def start_run(run: Run) -> None:
 def finish(run: Run, started: float) -> Summary:
     """Save the fine-tuned model, gather the ranks' peaks, write and show the summary."""
     memory = run.monitor.snapshot()
-    save_final_model(run)
+    from_shards = save_final_model(run)
     mine = {"peak": memory.peak_bytes, "phases": memory.phase_peaks, "built": run.built_bytes}
     ranks: list[dict[str, Any]] = distributed.gather(mine) if run.world.distributed else [mine]
     config, state, counters = run.config, run.state, run.state.counters
@@ -301,7 +301,7 @@ def finish(run: Run, started: float) -> Summary:
         evaluations=state.evaluations, output_dir=str(run.output_dir), world_size=run.world.world_size,
         distributed=run.world.strategy, per_rank_peak_memory_bytes=[rank["peak"] for rank in ranks],
         per_rank_training_peak_bytes=[max(rank["phases"].get(name, 0) for name in PHASES) for rank in ranks],
-        per_rank_built_bytes=[rank["built"] for rank in ranks],
+        per_rank_built_bytes=[rank["built"] for rank in ranks], model_from_shards=from_shards,
         allreduce_seconds=run.world.allreduce_seconds if run.world.strategy == "ddp" else None,
         packed_rows=run.num_train if run.prepared.packed is not None else None,
         train_examples=len(run.prepared.train_examples),
@@ -313,12 +313,14 @@ def finish(run: Run, started: float) -> Summary:
     return summary
 
 
-def save_final_model(run: Run) -> None:
+def save_final_model(run: Run) -> bool:
     """The fine-tuned model as a Hugging Face directory (distributed, a collective): FSDP's full fine-tuning
-    written from the shards (:mod:`memfit.streamed_export`), else gathered to rank 0 (an adapter alone, its base
-    not gathered)."""
+    written from the shards (:mod:`memfit.streamed_export`; returns ``True``), else gathered to rank 0 (an
+    adapter alone, its base not gathered)."""
     adapters = bool(run.config.lora_rank) and run.world.strategy == "fsdp"  # saved alone: the base not gathered
-    if run.world.strategy == "fsdp" and not adapters and streamed_export.streams(run.model):
+    from_shards = run.world.strategy == "fsdp" and not adapters and streamed_export.streams(
+        run.model, main=run.world.is_main)
+    if from_shards:
         streamed_export.save(run.model, run.output_dir / "model", main=run.world.is_main)
     else:
         weights = distributed.full_state_dict(run.model, trained_only=adapters) if run.world.distributed else None
@@ -332,6 +334,7 @@ def save_final_model(run: Run) -> None:
             save_merged(run.output_dir / "model", build_base_for(run.prepared), run.output_dir / "model" / "merged")
             if run.prepared.tokenizer is not None:
                 run.prepared.tokenizer.save_pretrained(run.output_dir / "model" / "merged")
+    return from_shards
 
 
 def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, world: distributed.World,

@@ -94,6 +94,9 @@ class Summary:
     per_rank_built_bytes: list[int] = field(default_factory=list)
     """Host bytes of the model each rank built before sharding or placing it: under FSDP rank 0's alone
     (:mod:`memfit.rank0_load`), the others building on the meta device."""
+    model_from_shards: bool = False
+    """FSDP: ``model/`` was written from each rank's shards, never gathered on one rank
+    (:mod:`memfit.streamed_export`)."""
     allreduce_seconds: float | None = None
     """DDP: summed time gradient buckets spent in flight (overlapping backward); ``None`` otherwise."""
     packed_rows: int | None = None

@@ -1,17 +1,28 @@
 """The fine-tuned model of a sharded (FSDP2) run, saved as a Hugging Face directory without gathering it.
 
 Gathering the state dict to save it (:func:`memfit.distributed.full_state_dict`) puts the whole model in rank
-0's host memory: 32 GB for an 8B model in fp32, 140 GB for a 70B one in 16 bits, on top of what the node
-already holds. Here each rank writes the shards of the weights it holds
-(:class:`torch.distributed.checkpoint.hf_storage.HuggingFaceStorageWriter`: no collective moves a weight), then rank 0
-consolidates them into the model's safetensors files by copying byte ranges from the shard files: no rank
-ever holds more than its own shards and one range being copied.
+0's host memory, twice while safetensors serialises it: an 8B model is 32 GB in fp32, a 70B one 140 GB in 16
+bits. Here each rank writes the shards of the weights it holds
+(:class:`torch.distributed.checkpoint.hf_storage.HuggingFaceStorageWriter`: no collective moves a weight), one
+output file's share at a time, then rank 0 consolidates them into the model's safetensors files by copying byte
+ranges from the shard files (one weight at a time). A rank holds at most its share of one file twice (the
+tensors and their serialised bytes), rank 0 one weight more.
 
-Trade-off: the disk holds the shards beside the consolidated files until those are written (twice the model,
-for a moment). The files are those a one-process ``save_pretrained`` writes: ``model.safetensors`` up to 50 GB
-of weights, else ``model-0000k-of-0000n.safetensors`` with their index. A model whose transformers
-class converts its weights when it saves (a fused mixture of experts saved as separate experts) is gathered
-and saved by transformers, as before: the conversion needs the whole state dict.
+Trade-offs:
+
+- The disk holds the shards beside the consolidated files until those are written (twice the model, for a
+  moment).
+- The files are at most 5 GB each, as large models on the Hub are: ``model.safetensors`` for a smaller model
+  (the file one process's ``save_pretrained`` writes), else ``model-0000k-of-0000n.safetensors`` and their index,
+  where one process writes one file up to 50 GB.
+- Gathered and saved by transformers, as before:
+  - a model whose transformers class converts its weights when it saves (a fused mixture of experts saved as
+    separate experts), since the conversion needs the whole state dict;
+  - a model with integer, 0-dimensional or replicated (not sharded) state, such as batch norm's counters;
+  - a launch over several machines, whose ranks may not share a disk.
+
+Rank 0 decides which of the two saves runs and tells the others: only rank 0 loaded the weights
+(:mod:`memfit.rank0_load`), so only its model knows the conversions its checkpoint went through.
 """
 
 from __future__ import annotations
@@ -21,26 +32,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from memfit import distributed
 
-FILE_BYTES = 50 * 10**9
-"""The most bytes of weights in one consolidated file, as ``save_pretrained``'s default (a larger single weight
-gets a file of its own)."""
+FILE_BYTES = 5 * 10**9
+"""The most bytes of weights in one consolidated file (a larger single weight gets a file of its own)."""
 INDEX = "model.safetensors.index.json"
 
 
-def streams(model: nn.Module) -> bool:
-    """Whether ``model`` (sharded) saves its weights under the names and shapes it holds them: a transformers
-    model without weight conversions on saving."""
+def streams(model: nn.Module, *, main: bool) -> bool:
+    """Whether ``model`` (sharded) is saved from its shards (:func:`save`): decided by rank 0 (``main``) and
+    told to every rank (a collective)."""
+    decision = [_streams(model) if main else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def _streams(model: nn.Module) -> bool:
+    """A transformers model on one machine, every weight a sharded floating-point tensor saved under the name
+    and shape it is held in (no weight conversion on saving)."""
+    from torch.distributed.tensor import DTensor
     from transformers import PreTrainedModel
     from transformers.core_model_loading import revert_weight_conversion
 
     held = distributed.unwrap(model)
-    if not isinstance(held, PreTrainedModel):
+    if distributed.launched_per_node() is not None or not isinstance(held, PreTrainedModel):
         return False
-    shapes = {name: (tuple(value.shape), value.dtype) for name, value in _sharded_state(model).items()}
+    state = _sharded_state(model)
+    if not all(isinstance(value, DTensor) and value.is_floating_point() and value.dim() > 0
+               for value in state.values()):
+        return False
+    shapes = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
     try:
         saved = revert_weight_conversion(held, meta)
@@ -51,34 +76,41 @@ def streams(model: nn.Module) -> bool:
 
 def save(model: nn.Module, directory: Path, *, main: bool, file_bytes: int = FILE_BYTES) -> None:
     """Write ``model``'s weights and config to ``directory`` as a Hugging Face model (a collective: every rank
-    writes its shards; ``main``, rank 0, consolidates them and writes the config)."""
+    writes its shards; ``main``, rank 0, consolidates them and writes the config). Weight files of an earlier
+    save there are removed first (a resumed run saves again)."""
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict_saver import save as save_shards
 
     state = _sharded_state(model)
-    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=_files(state, file_bytes),
-                                      save_distributed=True, enable_consolidation=True)
+    files = _files(state, file_bytes)
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=files, save_distributed=True,
+                                      enable_consolidation=True)
+    shards = Path(writer.path)
+    if main:
+        shutil.rmtree(shards, ignore_errors=True)
+        for stale in [*directory.glob("model-*-of-*.safetensors"), directory / INDEX, directory / "model.safetensors"]:
+            stale.unlink(missing_ok=True)
+    distributed.barrier()
     save_shards(dict(state), storage_writer=writer)  # returns on every rank once rank 0 has consolidated
     if main:
-        shutil.rmtree(writer.path)  # the shards, now in the consolidated files
-        files = sorted(directory.glob("model-*-of-*.safetensors"))
-        if len(files) == 1:  # one file: named as one process names it, no index
-            files[0].rename(directory / "model.safetensors")
+        shutil.rmtree(shards)  # now in the consolidated files
+        if max(files.values(), default=1) == 1:  # one file: named as one process names it, no index
+            (directory / "model-00001-of-00001.safetensors").rename(directory / "model.safetensors")
             (directory / INDEX).unlink()
         _save_config(distributed.unwrap(model), directory)
 
 
-def _sharded_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight under the name one process saves it, as each rank holds it (a DTensor's shard); a tied
-    weight once, under its first name."""
+def _sharded_state(model: nn.Module) -> dict[str, Any]:
+    """Every weight under the name one process saves it, as each rank holds it (a DTensor's shard), but the
+    names transformers leaves out of a save; a tied weight once, under its first name."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    aliases = distributed.tied_aliases(distributed.unwrap(model))
-    return {name: value for name, value in get_model_state_dict(model).items()
-            if name not in aliases and isinstance(value, torch.Tensor)}
+    held = distributed.unwrap(model)
+    left_out = distributed.tied_aliases(held) | set(getattr(held, "_keys_to_ignore_on_save", None) or ())
+    return {name: value for name, value in get_model_state_dict(model).items() if name not in left_out}
 
 
-def _files(state: dict[str, torch.Tensor], file_bytes: int) -> dict[str, int]:
+def _files(state: dict[str, Any], file_bytes: int) -> dict[str, int]:
     """The consolidated file (1, 2, ...) of each weight, in order, at most ``file_bytes`` of weights per file."""
     files, index, filled = {}, 1, 0
     for name, value in state.items():

@@ -109,6 +109,7 @@ def test_ddp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path]
     assert (summary["world_size"], summary["distributed"]) == (2, "ddp")
     assert (summary["micro_batch_size"], summary["accumulation_steps"], summary["effective_batch_size"]) == (2, 2, 8)
     assert summary["allreduce_seconds"] > 0
+    assert not summary["model_from_shards"]  # rank 0's replica saved as it is
     assert_weights_close(out, single, atol=1e-6)
     assert train_losses(out) == pytest.approx(train_losses(single), abs=1e-6)  # one metrics line per step, from rank 0
     assert summary["val_accuracy"] == json.loads((single / "summary.json").read_text())["val_accuracy"]
@@ -131,6 +132,7 @@ def test_fsdp_on_two_ranks_trains_what_one_process_trains(task: tuple[Path, Path
                                                           fsdp_run: tuple[Path, dict[str, Any]]) -> None:
     out, summary = fsdp_run
     assert (summary["world_size"], summary["distributed"]) == (2, "fsdp")
+    assert summary["model_from_shards"]  # written from each rank's shards, consolidated: never gathered
     assert_weights_close(out, single, atol=1e-6)
     predicted = per_rank_estimate(task, "fsdp")
     replica = per_rank_estimate(task, "ddp")
@@ -261,6 +263,7 @@ def test_fsdp_trains_bf16_weights_with_kahan_summation_as_one_process_does(work:
     result = torchrun([*args, "--output-dir", str(work / "bf16-fsdp"), "--distributed", "fsdp", "--json"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert_weights_close(work / "bf16-fsdp", work / "bf16-single", atol=5e-4)  # measured: 1.2e-4
+    assert summary_of(result)["model_from_shards"]  # bf16 shards, consolidated as one process saves them
     config = TrainConfig(model=str(model), task="causal-lm", max_length=32, effective_batch=8, micro_batch_size=2,
                          precision="bf16-true", optimizer="sgd", packing=True, distributed="fsdp", world_size=2)
     import transformers

@@ -203,9 +203,16 @@ def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(source))
     expected = {name: value.detach().clone() for name, value in model.state_dict().items()}
     model.save_pretrained(tmp_path / "one")  # one process's save
+    from safetensors.torch import save_file
+
+    stale = tmp_path / "model" / "sharded"  # an earlier save's leftovers: its shards, files and their index
+    stale.mkdir(parents=True)
+    save_file({"model.norm.weight": torch.full((32,), 7.0)}, stale / "shard-00002-model-00001-of-00009.safetensors")
+    for name in ("model-00009-of-00009.safetensors", "model.safetensors", "model.safetensors.index.json"):
+        (tmp_path / "model" / name).write_text("stale")
     with distributed.process_group("fsdp", "cpu") as world:
         sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
-        assert streamed_export.streams(sharded)
+        assert streamed_export.streams(sharded, main=True)
         streamed_export.save(sharded, tmp_path / "model", main=True, file_bytes=40_000)
         streamed_export.save(sharded, tmp_path / "whole", main=True)  # under 50 GB: one file, as one process's
     assert sorted(path.name for path in (tmp_path / "whole").iterdir()) == sorted(
@@ -224,6 +231,30 @@ def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_
     assert loaded.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(loaded[name], value), name
+
+
+def test_a_model_with_state_that_is_not_a_sharded_weight_is_gathered_to_be_saved() -> None:
+    """Batch norm's counters (integer, 0-dimensional, replicated): such a model is saved by gathering, as a
+    mixture of experts whose class converts its weights when it saves is; a transformers LM is written from its
+    shards."""
+    import transformers
+
+    from memfit import streamed_export
+
+    resnet = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2))
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+    answers = []
+    with distributed.process_group("fsdp", "cpu") as world:
+        for model in (resnet, mixtral, llama):
+            sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
+            answers.append(streamed_export.streams(sharded, main=True))
+    assert answers == [False, False, True]
 
 
 def test_hsdp_reducing_every_micro_step_all_reduces_across_the_groups_in_the_last_only() -> None:
