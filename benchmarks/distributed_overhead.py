@@ -80,7 +80,7 @@ def train(args: argparse.Namespace, out: Path, strategy: str) -> dict[str, Any]:
     summary = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [line["step_seconds"] for line in lines if line["type"] == "train"][args.warmup:]
-    weights = out / "model" / "model.safetensors"
+    weights = out / "model"
     return {"strategy": strategy, "processes": 1 if strategy == "none" else 2, "steps_timed": len(steps),
             "median_step_seconds": statistics.median(steps), "min_step_seconds": min(steps),
             "max_step_seconds": max(steps), "per_rank_peak_bytes": summary["per_rank_training_peak_bytes"],
@@ -89,9 +89,9 @@ def train(args: argparse.Namespace, out: Path, strategy: str) -> dict[str, Any]:
 
 
 def max_weight_difference(first: str, second: str) -> float:
-    from safetensors.torch import load_file
+    from memfit.hub import read_weights
 
-    a, b = load_file(first), load_file(second)
+    a, b = read_weights(Path(first)), read_weights(Path(second))
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 

@@ -170,8 +170,10 @@ def tiny_config(model: Path, data: Path, output_dir: Path, **overrides: Any) -> 
 def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    from memfit.hub import read_weights
+
     adapter = run_dir / "model" / "adapter_model.safetensors"  # a LoRA run saves its adapter
-    return load_file(str(adapter if adapter.is_file() else run_dir / "model" / "model.safetensors"))
+    return load_file(str(adapter)) if adapter.is_file() else read_weights(run_dir / "model")
 
 
 def build_tiny_bert(num_labels: int = 2, **overrides: Any) -> transformers.PreTrainedModel:

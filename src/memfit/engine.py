@@ -323,6 +323,8 @@ def save_final_model(run: Run) -> bool:
     if from_shards:
         streamed_export.save(run.model, run.output_dir / "model", main=run.world.is_main)
     else:
+        if run.world.is_main:  # an earlier save's weight files (a resumed run saves again, perhaps otherwise)
+            streamed_export.remove_weights(run.output_dir / "model")
         weights = distributed.full_state_dict(run.model, trained_only=adapters) if run.world.distributed else None
         if run.world.is_main:
             saved: Any = distributed.unwrap(run.model)

@@ -145,6 +145,16 @@ def safetensors_files(directory: Path) -> list[Path] | None:
     return paths if paths and all(path.is_file() for path in paths) else None
 
 
+def read_weights(directory: Path) -> dict[str, Any]:
+    """Every tensor of a model directory's safetensors weights (one file, or every shard of its index)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for path in safetensors_files(directory) or []:
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
 def _offline_message(model: HubModel, cached: Path | None, *, weights: bool) -> str:
     need = "its weights (safetensors) or tokenizer files" if weights else "its config.json"
     if cached is not None:

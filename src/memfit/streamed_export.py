@@ -40,12 +40,17 @@ from memfit import distributed
 FILE_BYTES = 5 * 10**9
 """The most bytes of weights in one consolidated file (a larger single weight gets a file of its own)."""
 INDEX = "model.safetensors.index.json"
+SHARDS = "sharded"
+"""Where the writer puts the ranks' shards, inside the directory (torch's name for it)."""
 
 
 def streams(model: nn.Module, *, main: bool) -> bool:
     """Whether ``model`` (sharded) is saved from its shards (:func:`save`): decided by rank 0 (``main``) and
     told to every rank (a collective)."""
-    decision = [_streams(model) if main else None]
+    try:
+        decision = [_streams(model) if main else None]
+    except Exception:  # whatever rank 0 cannot check, it gathers: the others wait for its answer
+        decision = [False]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(decision, src=0)
     return bool(decision[0])
@@ -62,8 +67,8 @@ def _streams(model: nn.Module) -> bool:
     if distributed.launched_per_node() is not None or not isinstance(held, PreTrainedModel):
         return False
     state = _sharded_state(model)
-    if not all(isinstance(value, DTensor) and value.is_floating_point() and value.dim() > 0
-               for value in state.values()):
+    if not state or not all(isinstance(value, DTensor) and value.is_floating_point() and value.dim() > 0
+                            for value in state.values()):
         return False
     shapes = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
@@ -86,10 +91,9 @@ def save(model: nn.Module, directory: Path, *, main: bool, file_bytes: int = FIL
     writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=files, save_distributed=True,
                                       enable_consolidation=True)
     shards = Path(writer.path)
+    assert shards == directory / SHARDS, shards
     if main:
-        shutil.rmtree(shards, ignore_errors=True)
-        for stale in [*directory.glob("model-*-of-*.safetensors"), directory / INDEX, directory / "model.safetensors"]:
-            stale.unlink(missing_ok=True)
+        remove_weights(directory)
     distributed.barrier()
     save_shards(dict(state), storage_writer=writer)  # returns on every rank once rank 0 has consolidated
     if main:
@@ -98,6 +102,14 @@ def save(model: nn.Module, directory: Path, *, main: bool, file_bytes: int = FIL
             (directory / "model-00001-of-00001.safetensors").rename(directory / "model.safetensors")
             (directory / INDEX).unlink()
         _save_config(distributed.unwrap(model), directory)
+
+
+def remove_weights(directory: Path) -> None:
+    """Remove the weight files an earlier save left in ``directory`` (a resumed run saves again, perhaps the
+    other way: one file where there were several, or the other way round), and its shards."""
+    shutil.rmtree(directory / SHARDS, ignore_errors=True)
+    for stale in [*directory.glob("model-*-of-*.safetensors"), directory / INDEX, directory / "model.safetensors"]:
+        stale.unlink(missing_ok=True)
 
 
 def _sharded_state(model: nn.Module) -> dict[str, Any]:

@@ -339,6 +339,7 @@ def test_two_nodes_with_a_rendezvous_on_localhost_train_what_one_process_trains(
     assert (summary["world_size"], summary["micro_batch_size"], summary["accumulation_steps"]) == (4, 2, 1)
     assert_weights_close(out, single, atol=1e-6)
     assert summary["per_rank_built_bytes"][1:] == [0, 0, 0]  # one copy for both nodes, on global rank 0's
+    assert not summary["model_from_shards"]  # two machines may not share a disk: gathered on rank 0
     predicted = per_rank_estimate(task, "fsdp", 4, shard_group=2)
     assert predicted > per_rank_estimate(task, "fsdp", 4)  # each rank holds half the states, not a quarter
     assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]), either_way=True)

@@ -214,7 +214,7 @@ def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_
         sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
         assert streamed_export.streams(sharded, main=True)
         streamed_export.save(sharded, tmp_path / "model", main=True, file_bytes=40_000)
-        streamed_export.save(sharded, tmp_path / "whole", main=True)  # under 50 GB: one file, as one process's
+        streamed_export.save(sharded, tmp_path / "whole", main=True)  # under 5 GB: one file, as one process's
     assert sorted(path.name for path in (tmp_path / "whole").iterdir()) == sorted(
         path.name for path in (tmp_path / "one").iterdir())
     with safe_open(tmp_path / "whole" / "model.safetensors", "pt") as whole:
@@ -255,6 +255,17 @@ def test_a_model_with_state_that_is_not_a_sharded_weight_is_gathered_to_be_saved
             sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
             answers.append(streamed_export.streams(sharded, main=True))
     assert answers == [False, False, True]
+
+
+def test_what_rank_0_cannot_check_it_gathers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that fails on rank 0 answers "gather" (the other ranks wait for its answer, they do not hang)."""
+    from memfit import streamed_export
+
+    def broken(model: torch.nn.Module) -> bool:
+        raise RuntimeError("a model the check cannot read")
+
+    monkeypatch.setattr(streamed_export, "_streams", broken)
+    assert streamed_export.streams(torch.nn.Linear(2, 2), main=True) is False
 
 
 def test_hsdp_reducing_every_micro_step_all_reduces_across_the_groups_in_the_last_only() -> None:
