@@ -49,7 +49,7 @@ def streams(model: nn.Module, *, main: bool) -> bool:
     told to every rank (a collective)."""
     try:
         decision = [_streams(model) if main else None]
-    except Exception:  # whatever rank 0 cannot check, it gathers: the others wait for its answer
+    except Exception:  # whatever rank 0 cannot check (a conversion that needs values), it gathers
         decision = [False]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(decision, src=0)
@@ -72,10 +72,7 @@ def _streams(model: nn.Module) -> bool:
         return False
     shapes = {name: (tuple(value.shape), value.dtype) for name, value in state.items()}
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
-    try:
-        saved = revert_weight_conversion(held, meta)
-    except Exception:  # a conversion that cannot run on shapes alone: transformers saves it
-        return False
+    saved = revert_weight_conversion(held, meta)  # one that cannot run on shapes alone raises: gathered
     return {name: (tuple(value.shape), value.dtype) for name, value in saved.items()} == shapes
 
 

@@ -134,7 +134,7 @@ def opt_ins(search: Search, smallest: Candidate | None, num_layers: int, allow: 
     assert smallest is not None
     bases: list[Family] = [smallest.family]
     advice: list[Advice] = []
-    tried = [stage for stage in stages(search, num_layers, allow) if stage.allowed or suggest]
+    tried = _tried(search, num_layers, allow, suggest=suggest)
     weights = _Weights.of(search, smallest)
     search.prefetch(_need_requests(search, tried, bases, task, weights))
     for stage in tried:
@@ -211,8 +211,13 @@ def need_requests(search: Search, smallest: Candidate, num_layers: int, allow: A
                   task: str) -> list[Request]:
     """The least needs :func:`opt_ins` traces first, side by side: those of the stages up to the first allowed
     one (until a stage is allowed, every stage builds on the same setups)."""
-    tried = [stage for stage in stages(search, num_layers, allow) if stage.allowed or suggest]
-    return _need_requests(search, tried, [smallest.family], task, _Weights.of(search, smallest))
+    return _need_requests(search, _tried(search, num_layers, allow, suggest=suggest), [smallest.family], task,
+                          _Weights.of(search, smallest))
+
+
+def _tried(search: Search, num_layers: int, allow: Allowed, *, suggest: bool) -> list[Stage]:
+    """The stages a plan tries: the allowed ones, and with ``suggest`` the others too (to say what they need)."""
+    return [stage for stage in stages(search, num_layers, allow) if stage.allowed or suggest]
 
 
 def _need_requests(search: Search, tried: list[Stage], bases: list[Family], task: str,
