@@ -55,6 +55,7 @@ from safetensors.torch import load_file, save_file, save_model
 from memfit.config import OPT_INS
 from memfit.errors import CheckpointError
 from memfit.techniques.lora import is_lora
+from memfit.techniques.optimizer_in_backward import InBackwardOptimizer
 
 DIRECTORY = "checkpoints"
 WEIGHTS = "model.safetensors"
@@ -102,9 +103,12 @@ class Checkpoint:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        optimizers = _sharded_optimizers(optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizers)
         load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(self.path / SHARDED))
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        if isinstance(optimizer, InBackwardOptimizer):
+            optimizer.loaded_per_parameter()
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy the saved weights into ``model`` (whose architecture :func:`check_architecture` accepted).
@@ -229,7 +233,7 @@ def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, _sharded_optimizers(optimizer))
     save_shards({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(temporary / SHARDED))
     torch.save(rng, temporary / f"rng-{rank}.pt")
     dist.barrier()  # every rank's files are written
@@ -242,6 +246,12 @@ def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
         _prune(root, keep_last=keep_last, keep=final)
     dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
     return final
+
+
+def _sharded_optimizers(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """What torch's distributed state dicts read and write: the optimizer, or a step in backward's optimizers
+    of one parameter each (their states keyed by the parameters' names, as one optimizer's are)."""
+    return optimizer.parameter_optimizers() if isinstance(optimizer, InBackwardOptimizer) else optimizer
 
 
 def _complete(temporary: Path, final: Path) -> None:

@@ -402,8 +402,9 @@ def _check_low_memory_full(problems: Problems, config: TrainConfig) -> None:
     if config.precision == "fp16":
         problems.add(f"{flag}: fp16's loss scaler checks and unscales all gradients together; use --precision "
                      "bf16-true, bf16 or fp32")
-    if several:
-        problems.add(f"{flag} runs in one process; drop --distributed")
+    if several and config.distributed != "fsdp":
+        problems.add(f"{flag} on several GPUs updates each rank's shard as FSDP reduces it; use --distributed fsdp "
+                     "(DDP reduces its gradient buckets after the update would have used this rank's own gradient)")
     if config.offload_optimizer:
         problems.add(f"{flag} with --offload-optimizer is not supported; use one or the other")
 

@@ -343,3 +343,44 @@ def test_two_nodes_with_a_rendezvous_on_localhost_train_what_one_process_trains(
     predicted = per_rank_estimate(task, "fsdp", 4, shard_group=2)
     assert predicted > per_rank_estimate(task, "fsdp", 4)  # each rank holds half the states, not a quarter
     assert_fsdp_peaks(summary["per_rank_training_peak_bytes"], predicted, build_layer(task[0]), either_way=True)
+
+
+def test_fsdp_steps_each_ranks_shards_in_backward_and_resumes_them_exactly(work: Path) -> None:
+    """``--optimizer-in-backward`` on two FSDP ranks: each rank updates its shards as FSDP hands it their reduced
+    gradients (no whole gradient on any rank), the weights are one process's within float rounding, each rank's
+    peak is the estimate, which holds no gradients; a run stopped by a SIGTERM resumes its per-parameter AdamW
+    states from the sharded checkpoint bit for bit, and one process resumes the same checkpoint resharded."""
+    import transformers
+
+    model = write_tiny_llm(work / "in-backward-llm", config={"hidden_size": 64, "intermediate_size": 128})
+    data = write_pairs(work / "in-backward.jsonl", count=64)
+    args = ["train", "--model", str(model), "--data", str(data), "--max-length", "32", "--effective-batch", "8",
+            "--precision", "fp32", "--packing", "--max-steps", "4", "--lr", "1e-3", "--seed", "0", "--log-every",
+            "1", "--optimizer-in-backward", "--max-grad-norm", "none"]
+    assert main([*args, "--micro-batch-size", "8", "--output-dir", str(work / "in-backward-single")]) == 0
+    sharded = [*args, "--micro-batch-size", "4", "--distributed", "fsdp", "--save-every", "2"]
+    whole = torchrun([*sharded, "--output-dir", str(work / "in-backward-whole"), "--json"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert_weights_close(work / "in-backward-whole", work / "in-backward-single", atol=1e-5)
+    config = TrainConfig(model=str(model), task="causal-lm", max_length=32, effective_batch=8, micro_batch_size=4,
+                         precision="fp32", packing=True, distributed="fsdp", world_size=2, optimizer_in_backward=True,
+                         max_grad_norm=None)
+    predicted = estimate(config, device="cpu", seq_len=32)
+    assert predicted.breakdown["gradients"] == 0  # each shard's gradient released as its update ran
+    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    assert_fsdp_peaks(summary_of(whole)["per_rank_training_peak_bytes"], predicted.peak_bytes, built.model.layers[0])
+
+    out = work / "in-backward-stopped"
+    first = torchrun([*sharded, "--output-dir", str(out)], interrupt="term:3")  # rank 1, in window 3
+    assert first.returncode != 0 and "SIGTERM after step 3" in first.stderr, first.stderr[-3000:]
+    second = torchrun([*sharded, "--output-dir", str(out), "--resume"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert train_losses(out) == train_losses(work / "in-backward-whole")
+    assert_weights_close(out, work / "in-backward-whole", atol=0)  # bit for bit
+
+    one = work / "in-backward-one-rank"  # the step-3 checkpoint of 2 ranks, resumed by one process
+    shutil.copytree(out, one)
+    shutil.rmtree(one / "checkpoints" / "step-00000004")
+    resumed = [*args, "--micro-batch-size", "8", "--distributed", "fsdp", "--output-dir", str(one)]
+    assert main([*resumed, "--resume", str(one / "checkpoints" / "step-00000003")]) == 0
+    assert_weights_close(one, work / "in-backward-whole", atol=1e-5)

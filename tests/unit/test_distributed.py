@@ -275,3 +275,67 @@ def test_hsdp_reducing_every_micro_step_all_reduces_across_the_groups_in_the_las
     with distributed.fake_world(4, 2) as mesh:
         model = distributed.shard(build_tiny_bert(), mesh, low_precision=None, cpu_offload=False, pin_memory=False)
         assert sharded_gradients_after_each_micro_step(model) == [False, False, True]
+
+
+def test_the_step_in_backward_updates_fsdps_shards_and_a_sharded_checkpoint_keeps_its_states(tmp_path: Path) -> None:
+    """One FSDP rank: each sharded parameter is updated by its own optimizer as FSDP hands it its reduced
+    gradient, which is released; a non-finite shard is kept and makes the step's norm (summed over the ranks)
+    non-finite; the per-parameter states and the learning rate the schedule reached go through a sharded
+    checkpoint into a fresh run's optimizer."""
+    from memfit import checkpoints
+    from memfit.build import build_optimizer_for
+    from memfit.config import TrainConfig
+    from memfit.techniques.optimizer_in_backward import InBackwardOptimizer
+    from memfit.techniques.stability import guarded_step
+
+    config = TrainConfig(optimizer_in_backward=True, max_grad_norm=None, lr=0.1, distributed="fsdp")
+    poison = {"on": False}
+
+    def poisoned_gradient(parameter: torch.Tensor) -> None:  # runs before the optimizer's hook (registered first)
+        if poison["on"]:
+            assert parameter.grad is not None
+            parameter.grad.fill_(float("inf"))
+
+    with distributed.process_group("fsdp", "cpu") as world:
+        def built() -> tuple[torch.nn.Module, InBackwardOptimizer]:
+            torch.manual_seed(0)
+            model = distributed.wrap(build_tiny_bert(), world, low_precision=None, device=torch.device("cpu"))
+            dict(model.named_parameters())["classifier.weight"].register_post_accumulate_grad_hook(poisoned_gradient)
+            optimizer = build_optimizer_for(model, config)
+            assert isinstance(optimizer, InBackwardOptimizer) and optimizer.group is not None
+            return model, optimizer
+
+        model, optimizer = built()
+        named = list(model.named_parameters())
+        before = [parameter.full_tensor().clone() for _, parameter in named]
+        batch = micro_batches(1)[0]
+        model(**batch).loss.backward()
+        assert all(parameter.grad is None for _, parameter in named)  # released as they were used
+        assert not any(torch.equal(p.full_tensor(), b) for (_, p), b in zip(named, before, strict=True))
+        assert guarded_step(optimizer, named, torch.ones(()), scaler=None, max_grad_norm=None).applied
+
+        poison["on"] = True
+        classifier = dict(named)["classifier.weight"]
+        kept, other = classifier.full_tensor().clone(), named[0][1].full_tensor().clone()
+        model(**batch).loss.backward()
+        poison["on"] = False
+        assert torch.equal(classifier.full_tensor(), kept)  # the non-finite shard is left alone
+        assert not torch.equal(named[0][1].full_tensor(), other)  # the others are updated
+        check = guarded_step(optimizer, named, torch.ones(()), scaler=None, max_grad_norm=None)
+        assert not check.grads_finite and check.bad_parameters == ["classifier.weight"]
+
+        for group in optimizer.param_groups:
+            group["lr"] = 0.025  # where a schedule would be
+        checkpoints.save_sharded(tmp_path, model=model, optimizer=optimizer, state={}, progress={"step": 2},
+                                 config={}, model_architecture={}, keep_last=1, rank=0, world_size=1, rng={})
+        fresh, restored = built()
+        checkpoints.load(tmp_path / "checkpoints" / "step-00000002").load_sharded(fresh, restored)
+        for (parameter, inner), (again, loaded) in zip(optimizer.per_parameter.items(),
+                                                       restored.per_parameter.items(), strict=True):
+            state, state_again = inner.state[parameter], loaded.state[again]
+            assert state.keys() == state_again.keys() == {"step", "exp_avg", "exp_avg_sq"}
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key].full_tensor(), state_again[key].full_tensor())
+            assert torch.equal(state["step"], state_again["step"])
+            assert restored.state[again] is state_again
+        assert [group["lr"] for group in restored.param_groups] == [0.025] * len(restored.param_groups)

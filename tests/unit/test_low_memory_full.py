@@ -147,6 +147,8 @@ def test_a_nonfinite_gradient_leaves_its_parameter_alone() -> None:
     ({"kahan": True, "precision": "fp32"}, "use --precision bf16-true or drop --kahan"),
     ({"kahan": True, "precision": "bf16-true", "optimizer": "adamw8bit"}, "has no Kahan buffer"),
     ({"precision": "bf16-true", "distributed": "ddp", "world_size": 2}, "on several GPUs with --distributed fsdp"),
+    ({"optimizer_in_backward": True, "max_grad_norm": None, "distributed": "ddp", "world_size": 2,
+      "micro_batch_size": 2}, "use --distributed fsdp"),
     ({"precision": "bf16-true", "distributed": "fsdp", "cpu_offload": True}, "bf16-true with --cpu-offload"),
 ])
 def test_what_they_cannot_do_is_refused_in_one_line(options: dict[str, object], message: str) -> None:
@@ -184,8 +186,9 @@ def wide_plans(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Plan]:
     cache: dict[Any, Estimate] = {}
 
     def planned(budget: int, *, length: int = 16, batch: int = 4, precisions: tuple[str, ...] = ("fp32",),
-                **options: Any) -> Plan:
-        config = TrainConfig(model=str(model), task="causal-lm", effective_batch=batch, max_length=length)
+                distributed: str = "none", **options: Any) -> Plan:
+        config = TrainConfig(model=str(model), task="causal-lm", effective_batch=batch, max_length=length,
+                             distributed=distributed)
         return plan(config, device="cpu", budget=budget, seq_len=length, cache=cache, margin=0.0,
                     precisions=precisions, **options)
     return planned
@@ -221,6 +224,29 @@ def test_the_planner_reaches_for_the_step_in_backward_then_16_bit_weights_then_8
 
     asked = wide_plans(2 * 10**9, precisions=("bf16-true",)).chosen  # asked for: no opt-in of the plan's
     assert asked is not None and asked.family.kahan and asked.reason.startswith("chosen")
+
+
+def test_the_step_in_backward_is_accepted_under_fsdp_and_refused_under_ddp_by_the_planner_too() -> None:
+    TrainConfig(effective_batch=4, micro_batch_size=2, optimizer_in_backward=True, max_grad_norm=None,
+                distributed="fsdp", world_size=2).validate()  # each rank steps its shards
+
+
+@pytest.mark.slow
+def test_on_two_fsdp_ranks_the_planner_steps_each_shard_in_backward_where_nothing_else_fits(
+        wide_plans: Callable[..., Plan]) -> None:
+    """Two FSDP ranks, a budget under the least any accumulating setup needs: the step in backward (a window of
+    one micro-batch per rank, no gradients kept) fits, is chosen, and its run's estimate is the plan's peak."""
+    need = wide_plans(2 * 10**9, gpus=2, distributed="fsdp").chosen.predicted_peak_bytes  # type: ignore[union-attr]
+    budget = int(0.93 * need)
+    nothing = wide_plans(budget, gpus=2, distributed="fsdp")
+    assert nothing.chosen is None and "--allow-optimizer-in-backward would fit" in nothing.verdict
+    released = wide_plans(budget, gpus=2, distributed="fsdp", allow=Allowed(optimizer_in_backward=True))
+    chosen = released.chosen
+    assert chosen is not None and chosen.family.optimizer_in_backward and chosen.family.strategy == "fsdp"
+    run = released.to_config()
+    assert (run.distributed, run.world_size, run.per_rank_batch, run.resolved_accumulation_steps) == ("fsdp", 2, 2, 1)
+    assert run.optimizer_in_backward and run.max_grad_norm is None
+    assert estimate(run, device="cpu", seq_len=16).total_bytes == chosen.predicted_peak_bytes
 
 
 def test_the_planner_says_which_effective_batch_the_step_in_backward_fits(wide_plans: Callable[..., Plan]) -> None:

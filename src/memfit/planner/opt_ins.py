@@ -65,9 +65,10 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
     profile, clips = search.profile, search.base.max_grad_norm is not None
 
     def in_backward(family: Family) -> Family | None:
-        if family.ranks or family.optimizer_in_backward:
+        if family.strategy == "ddp" or family.optimizer_in_backward:  # FSDP steps each rank's shards in backward
             return None
         return dataclasses.replace(family, optimizer_in_backward=True, drops_clipping=clips, offload_optimizer=False,
+                                   reduce_every=False,
                                    precision="fp32" if family.precision == "fp16" else family.precision)
 
     def offload(family: Family) -> Family | None:
@@ -97,7 +98,7 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         if strategy.startswith("fsdp") and not runs_sharded(optimizer):  # replicated instead
             if search.base.distributed == "fsdp":
                 return None
-            if not runs_on(family.precision, "ddp"):
+            if not runs_on(family.precision, "ddp") or family.optimizer_in_backward:  # DDP cannot step in backward
                 return None
             strategy, group = "ddp", None
         return dataclasses.replace(family, optimizer=optimizer, kahan=False, strategy=strategy, shard_group=group,
@@ -246,11 +247,12 @@ def _need(search: Search, flag: str, families: list[Family]) -> Advice:
                       fits=best.family.opt_ins)
     released = [family for family in least if family.optimizer_in_backward]
     windows = [search.largest_window(family) for family in released]
-    largest = max((window[0] for window in windows), default=0)
+    largest = max((window[0] * search.ranks(family) for window, family in zip(windows, released, strict=True)),
+                  default=0)  # per rank times the ranks: the effective batch the user gives
     if largest:
         return Advice(f"{flag}: full fine-tuning would fit at an effective batch of at most {largest} with the "
                       "optimizer step in backward, which cannot accumulate (at "
-                      f"{search.effective} it needs {format_bytes(best.predicted_peak_bytes or 0)})")
+                      f"{search.base.effective_batch} it needs {format_bytes(best.predicted_peak_bytes or 0)})")
     floor = min([best.predicted_peak_bytes or 0, *(window[1].total_bytes for window in windows)])
     host = search.over_host(best) if floor == best.predicted_peak_bytes else ""
     return Advice(f"{flag} would not fit either: it needs at least {format_bytes(floor)}{host}")

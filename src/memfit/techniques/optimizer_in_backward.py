@@ -25,7 +25,15 @@ what is refused:
 - No out-of-memory recovery: an OOM inside backward can come after some parameters were updated, and
   replaying the window would update them twice. The run stops with the last checkpoint as the place to
   resume from (said before the run starts); plan with a margin.
-- One process only (no ``--distributed``), and not with ``--offload-optimizer``.
+- Under FSDP (``--distributed fsdp``), each rank updates its own shard of a parameter when FSDP hands it the
+  reduced shard of the gradient (FSDP2 runs post-accumulate-grad hooks on its sharded parameters after the
+  reduce-scatter, with ``--cpu-offload`` too): a parameter's whole gradient never exists on any rank, and each
+  rank checks its own shard, so a shard whose gradient is not finite keeps its values while the parameter's other
+  shards are updated. The step's gradient norm is summed over the ranks that shard it (one all-reduce of one
+  number per step, no collective per parameter), so every rank sees the same norm and counts a non-finite step
+  alike. Not under DDP: its gradient buckets are all-reduced after the hooks would have updated the parameters
+  with this rank's own gradient. Not with ``--offload-optimizer`` (one process; FSDP's ``--cpu-offload`` is
+  the one that offloads here).
 
 Works with AdamW (fused, foreach or a loop), SGD, bitsandbytes' 8-bit AdamW and torch-optimi's Kahan AdamW
 (:mod:`memfit.techniques.bf16_true`): each parameter's optimizer is the run's optimizer over that one parameter.
@@ -44,16 +52,33 @@ BuildOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
 def gradient_is_finite(grad: torch.Tensor) -> tuple[bool, torch.Tensor]:
-    """(whether ``grad`` holds only finite values, its L2 norm): one reduction, read on the host."""
-    norm = torch.linalg.vector_norm(grad).float()
+    """(whether ``grad`` holds only finite values, its L2 norm): one reduction, read on the host. A sharded
+    gradient (FSDP's) is checked on this rank's shard: no collective."""
+    norm = torch.linalg.vector_norm(local_part(grad)).float()
     return bool(torch.isfinite(norm)), norm
 
 
 def assume_finite_gradient(grad: torch.Tensor) -> tuple[bool, torch.Tensor]:
     """For traces with fake tensors, which hold no values: the same tensors, the branch that updates."""
-    norm = torch.linalg.vector_norm(grad).float()
+    norm = torch.linalg.vector_norm(local_part(grad)).float()
     torch.isfinite(norm)
     return True, norm
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's parameters and gradients), else ``tensor`` itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def shard_group(parameter: torch.Tensor) -> Any:
+    """The process group ``parameter`` is sharded over (FSDP: all ranks; HSDP: the ranks of one shard group),
+    or ``None`` for a whole tensor."""
+    placements = getattr(parameter, "placements", None)
+    if placements is None:
+        return None
+    dims = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
+    return parameter.device_mesh.get_group(dims[0]) if dims else None  # type: ignore[attr-defined]
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
@@ -78,8 +103,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 inner = build([{**hyper, "params": [parameter]}])
                 self.per_parameter[parameter] = inner
                 self._group_of[parameter] = group
-                self.state[parameter] = inner.state[parameter]  # the same dictionary, filled by its first step
                 parameter.register_post_accumulate_grad_hook(self._step_parameter)
+        self.group = next((group for parameter in self.per_parameter
+                           if (group := shard_group(parameter)) is not None), None)
+        """The ranks whose shards make up each parameter (FSDP), over which the step's norm is summed."""
         first = next(iter(self.per_parameter.values()))
         self.defaults.update({key: value for key, value in first.defaults.items() if key in ("fused", "foreach")})
 
@@ -93,9 +120,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self.squared_norm = squared if self.squared_norm is None else self.squared_norm + squared
         if finite:
             inner = self.per_parameter[parameter]  # type: ignore[index]
-            group = self._group_of[parameter]  # type: ignore[index]
-            inner.param_groups[0].update({key: value for key, value in group.items() if key != "params"})
+            self._share_group(parameter, inner)  # type: ignore[arg-type]
             inner.step()
+            self.state[parameter] = inner.state[parameter]  # (its first step makes it: an empty one would tell
+            # torch's distributed state dicts that a state exists)
         else:
             self.skipped.append(parameter)  # type: ignore[arg-type]
         parameter.grad = None  # released: the next gradient may take its memory
@@ -111,8 +139,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return skipped
 
     def take_norm(self) -> torch.Tensor:
-        """The global gradient norm of the window's updates (a device tensor; zero before any gradient)."""
+        """The global gradient norm of the window's updates (a device tensor; zero before any gradient), summed
+        over the ranks that shard the parameters: not finite where any rank left a shard unchanged."""
         squared, self.squared_norm = self.squared_norm, None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if squared is None:  # no shard of this rank had a gradient: it still takes part in the sum
+                squared = torch.zeros((), device=local_part(next(iter(self.per_parameter))).device)
+            dist.all_reduce(squared, group=self.group)
         return torch.zeros(()) if squared is None else squared.sqrt()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -128,4 +163,29 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             group.update(saved)
         for (parameter, inner), saved in zip(self.per_parameter.items(), state_dict["per_parameter"], strict=True):
             inner.load_state_dict(saved)
+            self._link_state(parameter, inner)
+
+    def _link_state(self, parameter: nn.Parameter, inner: torch.optim.Optimizer) -> None:
+        """Show ``parameter``'s state (once its optimizer has one) as the run's."""
+        if parameter in inner.state:
             self.state[parameter] = inner.state[parameter]
+
+    def _share_group(self, parameter: nn.Parameter, inner: torch.optim.Optimizer) -> None:
+        """Give ``parameter``'s optimizer its group's current hyperparameters (a schedule changes the run's)."""
+        group = self._group_of[parameter]
+        inner.param_groups[0].update({key: value for key, value in group.items() if key != "params"})
+
+    def parameter_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The per-parameter optimizers, each with its group's current hyperparameters: what a sharded
+        checkpoint saves and loads (torch's distributed state dicts key their states by parameter name)."""
+        for parameter, inner in self.per_parameter.items():
+            self._share_group(parameter, inner)
+        return list(self.per_parameter.values())
+
+    def loaded_per_parameter(self) -> None:
+        """After the per-parameter optimizers' states were loaded on their own (a sharded checkpoint): take
+        their states and hyperparameters (the learning rate the schedule had reached) as the run's."""
+        for parameter, inner in self.per_parameter.items():
+            self._link_state(parameter, inner)
+            self._group_of[parameter].update(
+                {key: value for key, value in inner.param_groups[0].items() if key != "params"})

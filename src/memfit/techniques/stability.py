@@ -114,4 +114,6 @@ def _released_check(optimizer: InBackwardOptimizer, named: list[tuple[str, nn.Pa
     loss_value, norm_value = read(window_loss, optimizer.take_norm())
     skipped = {id(parameter) for parameter in optimizer.take_skipped()}
     bad = [name for name, parameter in named if id(parameter) in skipped]
-    return StepCheck(loss_value, norm_value, math.isfinite(loss_value), not bad, bad[:3])
+    # under FSDP another rank may have kept a shard: the norm summed over the ranks says so on every rank
+    finite = not bad and (optimizer.group is None or math.isfinite(norm_value))
+    return StepCheck(loss_value, norm_value, math.isfinite(loss_value), finite, bad[:3])
