@@ -23,10 +23,16 @@ Trade-offs:
 
 Rank 0 decides which of the two saves runs and tells the others: only rank 0 loaded the weights
 (:mod:`memfit.rank0_load`), so only its model knows the conversions its checkpoint went through.
+
+While rank 0 consolidates, the other ranks wait in a collective of the save. Consolidating a 70B model copies
+140-280 GB: minutes, perhaps more than the run's collective timeout (10 minutes). So the save's collectives run
+on a gloo group of their own, made for it, whose timeout is :data:`CONSOLIDATION_TIMEOUT`, and rank 0 copies
+with :data:`CONSOLIDATION_THREADS` threads.
 """
 
 from __future__ import annotations
 
+import datetime
 import shutil
 from pathlib import Path
 from typing import Any
@@ -42,6 +48,9 @@ FILE_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
 SHARDS = "sharded"
 """Where the writer puts the ranks' shards, inside the directory (torch's name for it)."""
+CONSOLIDATION_TIMEOUT = datetime.timedelta(hours=2)
+"""How long the other ranks wait, in the save's last collective, for rank 0 to consolidate the files."""
+CONSOLIDATION_THREADS = 4
 
 
 def streams(model: nn.Module, *, main: bool) -> bool:
@@ -86,13 +95,17 @@ def save(model: nn.Module, directory: Path, *, main: bool, file_bytes: int = FIL
     state = _sharded_state(model)
     files = _files(state, file_bytes)
     writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=files, save_distributed=True,
-                                      enable_consolidation=True)
+                                      enable_consolidation=True, thread_count_consolidation=CONSOLIDATION_THREADS)
     shards = Path(writer.path)
     assert shards == directory / SHARDS, shards
     if main:
         remove_weights(directory)
-    distributed.barrier()
-    save_shards(dict(state), storage_writer=writer)  # returns on every rank once rank 0 has consolidated
+    group = dist.new_group(backend="gloo", timeout=CONSOLIDATION_TIMEOUT)  # (every rank makes it: a collective)
+    try:
+        dist.barrier(group=group)
+        save_shards(dict(state), storage_writer=writer, process_group=group)  # returns once rank 0 consolidated
+    finally:
+        dist.destroy_process_group(group)
     if main:
         shutil.rmtree(shards)  # now in the consolidated files
         if max(files.values(), default=1) == 1:  # one file: named as one process names it, no index

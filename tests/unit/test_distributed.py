@@ -187,10 +187,13 @@ def test_a_sharded_lora_run_gathers_its_trained_parameters_alone_for_saving() ->
         assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
 
 
-def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_it(tmp_path: Path) -> None:
+def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP full fine-tuning's model written from each rank's shards and consolidated, never gathered: files of
     at most the bytes asked for and their index, no shards left, the config one process writes, a tied weight
-    once; transformers loads every weight as it was."""
+    once; transformers loads every weight as it was. The save's collectives wait on a group of their own, whose
+    timeout outlasts a large model's consolidation on rank 0."""
+    import datetime
     import json
 
     import transformers
@@ -210,11 +213,16 @@ def test_a_sharded_full_fine_tune_is_saved_from_its_shards_as_one_process_saves_
     save_file({"model.norm.weight": torch.full((32,), 7.0)}, stale / "shard-00002-model-00001-of-00009.safetensors")
     for name in ("model-00009-of-00009.safetensors", "model.safetensors", "model.safetensors.index.json"):
         (tmp_path / "model" / name).write_text("stale")
+    groups: list[dict[str, Any]] = []
+    made = torch.distributed.new_group
+    monkeypatch.setattr(torch.distributed, "new_group", lambda **options: groups.append(options) or made(**options))
     with distributed.process_group("fsdp", "cpu") as world:
         sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
         assert streamed_export.streams(sharded, main=True)
         streamed_export.save(sharded, tmp_path / "model", main=True, file_bytes=40_000)
         streamed_export.save(sharded, tmp_path / "whole", main=True)  # under 5 GB: one file, as one process's
+    assert groups == [{"backend": "gloo", "timeout": streamed_export.CONSOLIDATION_TIMEOUT}] * 2
+    assert streamed_export.CONSOLIDATION_TIMEOUT >= datetime.timedelta(hours=1) > distributed.TIMEOUT
     assert sorted(path.name for path in (tmp_path / "whole").iterdir()) == sorted(
         path.name for path in (tmp_path / "one").iterdir())
     with safe_open(tmp_path / "whole" / "model.safetensors", "pt") as whole:
