@@ -42,6 +42,7 @@ from memfit.techniques.lora import save_merged
 from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.oom import OomRecovery, StepWatch, oom_message
 from memfit.techniques.optim import build_scheduler
+from memfit.techniques.quantized_base import place_quant_states
 from memfit.techniques.stability import StepCheck
 from memfit.windows import PartialWindow, WindowResult, evaluate, window_runner
 
@@ -212,7 +213,7 @@ def build_run(prepared: Prepared, plan: Plan | None, world: distributed.World, o
     once = rank0_load.loads_once(config, prepared.spec, world.strategy, world.world_size)  # FSDP: rank 0 reads
     with model_support(prepared.spec.hf_config):  # an architecture memfit cannot build: one line
         model: nn.Module = rank0_load.build(lambda weights: build_model_for(prepared, weights=weights),
-                                            main=world.is_main, once=once)
+                                            main=world.is_main, once=once, device=device)
     built = rank0_load.materialised_bytes(model)  # freeze -> checkpointing (-> sharding, below)
     trainable, total = count_parameters(model)
     architecture = checkpoints.architecture(model)  # of the model itself, whatever wraps it later
@@ -356,6 +357,7 @@ def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, wor
             model = rank0_load.shard_from_rank_0(model, wrap, main=world.is_main, device=device)
         elif world.distributed:  # FSDP2 moves only the shards
             model = wrap(model)
+            place_quant_states(model, device)  # (4-bit states are neither parameters nor buffers)
         else:
             model.to(device)
         monitor.track_module(model)  # parameters existed before tracking started

@@ -13,10 +13,14 @@ number generator is rank 0's after its build on every rank, as a build on each w
 Trade-off: the machine of rank 0 still holds one full copy while it broadcasts, and the broadcast sends every
 tensor to every rank once (a load's worth of traffic over the link, against N reads of the files); each tensor
 passes whole through every rank's device on its way to the shard, one at a time (an 8B model's embedding: 2 GiB
-in fp32, before training starts: not in the step's estimate, but in the run's overall peak). Not with a
-4-bit base (QLoRA: bitsandbytes' packed weights and their quantisation state are made by quantising real
-weights) nor with ``--cpu-offload`` (the offloaded shards are pinned host tensors FSDP2 makes itself): those
-runs build the model on every rank, as before.
+in fp32, before training starts: not in the step's estimate, but in the run's overall peak).
+
+A 4-bit base (QLoRA) is quantised by rank 0 alone. The other ranks quantise their meta weights on the meta device
+(bitsandbytes' kernels have meta implementations: the packed weights and every quantisation state get their
+shapes and dtypes); their packed weights are filled like any weight, and every state's tensors (codes, scales,
+offsets, which are neither parameters nor buffers) are made empty on the device and broadcast from rank 0.
+Not with ``--cpu-offload`` (the offloaded shards are pinned host tensors FSDP2 makes itself): those runs build
+the model on every rank, as before.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from memfit.config import TrainConfig
 from memfit.distributed import any_rank, decided_once
 from memfit.errors import TrainingError
 from memfit.models import ModelSpec
+from memfit.techniques.quantized_base import place_quant_states
 
 Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -40,16 +45,16 @@ Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
 def loads_once(config: TrainConfig, spec: ModelSpec, strategy: str, world_size: int) -> bool:
     """Whether this run's model is read by rank 0 alone (see the module docstring for the runs that are not;
     nor a checkpoint stored quantised, whose modules only its weights make)."""
-    return strategy == "fsdp" and world_size > 1 and config.quantize_base == "none" and not config.cpu_offload \
-        and getattr(spec.hf_config, "quantization_config", None) is None
+    return strategy == "fsdp" and world_size > 1 and config.quantize_base in ("none", "nf4") \
+        and not config.cpu_offload and getattr(spec.hf_config, "quantization_config", None) is None
 
 
 def load_host_bytes(config: TrainConfig, spec: ModelSpec, task: str, low_dtype: torch.dtype | None, *,
                     strategy: str, ranks: int) -> int:
     """Host memory one machine holds while its ``ranks`` build the model: each build's weights as loaded (as
-    saved, or in fp32: :func:`memfit.build.loads_as_saved`; a config without a dtype, a preset's, builds fp32),
-    on rank 0 alone where it reads for all (:func:`loads_once`), else on every rank (a QLoRA base is quantised
-    after it is loaded whole)."""
+    saved, or in fp32: :func:`memfit.build.loads_as_saved`; a config without a dtype, a preset's, builds fp32;
+    a QLoRA base is quantised after it is loaded whole), on rank 0 alone where it reads for all
+    (:func:`loads_once`), else on every rank."""
     from memfit.memory.depth import parameter_count
 
     saved = getattr(spec.hf_config, "dtype", None)
@@ -59,7 +64,7 @@ def load_host_bytes(config: TrainConfig, spec: ModelSpec, task: str, low_dtype: 
     return builders * parameter_count(spec, task) * (size if loads_as_saved(config, low_dtype) else 4)
 
 
-def build(make: Callable[[bool], nn.Module], *, main: bool, once: bool) -> nn.Module:
+def build(make: Callable[[bool], nn.Module], *, main: bool, once: bool, device: torch.device) -> nn.Module:
     """The model: as ``make(True)`` builds it, with its weights; with ``once``, on rank 0 (``main``) alone, and
     elsewhere its structure, ``make(False)`` (from the config: weights cannot be read onto ``meta``), on the
     ``meta`` device, once rank 0 has built its model. The other ranks wait for that in torchrun's key-value
@@ -72,7 +77,9 @@ def build(make: Callable[[bool], nn.Module], *, main: bool, once: bool) -> nn.Mo
     if built is not None:
         return built
     with torch.device("meta"):
-        return make(False)
+        model = make(False)
+    place_quant_states(model, device)  # empty 4-bit states, filled by :func:`shard_from_rank_0`: a state dict
+    return model  # reads them (checkpoints.architecture)
 
 
 def materialised_bytes(model: nn.Module) -> int:
@@ -86,7 +93,7 @@ def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module],
     """``model`` sharded by ``shard`` on every rank, each shard holding rank 0's values (a collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    full = model.state_dict() if main else {}  # rank 0's tensors, kept until broadcast
+    full: dict[str, Any] = _loadable(model) if main else {}  # rank 0's tensors, kept until broadcast
     manifest: Manifest = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in full.items()}
     manifest.update({f"buffer:{name}": (tuple(buffer.shape), buffer.dtype) for name, buffer in model.named_buffers()
                      if main})  # every buffer is broadcast, the non-persistent ones too
@@ -99,6 +106,8 @@ def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module],
     model = shard(model)
     if not main:
         model.to_empty(device=device)
+    for tensor in place_quant_states(model, device):  # the same slots, in the same order, on every rank
+        dist.broadcast(tensor, src=0)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     for buffer in model.buffers():  # non-persistent buffers are not in a state dict
@@ -109,10 +118,18 @@ def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module],
     return model
 
 
+def _loadable(model: nn.Module, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as torch's distributed state dicts load it: its parameters and buffers, without the
+    quantisation state bitsandbytes adds for a 4-bit layer (broadcast on its own)."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    return {name: tensor for name, tensor in model.state_dict(keep_vars=keep_vars).items() if name in names}
+
+
 def _match(model: nn.Module, manifest: Manifest) -> str | None:
     """The meta model given rank 0's dtypes (a checkpoint may load in its own: ``dtype="auto"``); or, where its
     structure differs from rank 0's (a defect), what differs."""
-    tensors = {**model.state_dict(keep_vars=True),
+    tensors = {**_loadable(model, keep_vars=True),
                **{f"buffer:{name}": buffer for name, buffer in model.named_buffers()}}
     differs = sorted(set(tensors) ^ set(manifest)) or [name for name, (shape, _) in manifest.items()
                                                         if tuple(tensors[name].shape) != shape]

@@ -212,7 +212,8 @@ def test_the_host_memory_of_loading_counts_each_build_on_the_machine(tmp_path: P
     assert loading("ddp") == 2 * 4 * parameters  # a replica each
     assert loading("ddp", torch.bfloat16, lora_rank=4) == 2 * 2 * parameters  # the base as saved
     assert loading("fsdp", torch.bfloat16, lora_rank=4) == 2 * parameters
-    assert loading("fsdp", torch.bfloat16, lora_rank=4, quantize_base="nf4") == 2 * 2 * parameters  # quantised after
+    assert loading("fsdp", torch.bfloat16, lora_rank=4, quantize_base="nf4") == 2 * parameters  # rank 0 quantises
+    assert loading("ddp", torch.bfloat16, lora_rank=4, quantize_base="nf4") == 2 * 2 * parameters  # each replica
     config = TrainConfig(model=str(model), task="causal-lm", distributed="ddp", world_size=2, effective_batch=2,
                          max_length=16, precision="fp32")
     assert estimate(config, device="cpu", seq_len=16).load_host_bytes == 2 * 4 * parameters

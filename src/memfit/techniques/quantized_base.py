@@ -55,8 +55,9 @@ def bitsandbytes() -> Any:
     a hub (there is none to reach), which is no concern of memfit's run. Its cached quantisation map is made
     here on real tensors: making it reads values, which a fake tensor in the estimator's trace has not."""
     # outside any dispatch mode: its modules make tables at import, which must be real tensors even when the
-    # first import happens inside the estimator's fake-tensor trace
-    with raised_loggers("bitsandbytes", "kernels", level=logging.CRITICAL), _disable_current_modes():
+    # first import happens inside the estimator's fake-tensor trace (or a build on the meta device)
+    with raised_loggers("bitsandbytes", "kernels", level=logging.CRITICAL), _disable_current_modes(), \
+            torch.device("cpu"):  # (the innermost default device wins over a build's "meta")
         import bitsandbytes as bnb
 
         bnb.functional.quantize_4bit(torch.zeros(NF4_BLOCKSIZE * 256), blocksize=NF4_BLOCKSIZE,
@@ -187,9 +188,49 @@ def quantized_tensors(model: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def _state_tensors(state: Any) -> list[torch.Tensor]:
-    tensors = [value for value in (state.absmax, state.code, getattr(state, "offset", None))
-               if isinstance(value, torch.Tensor)]
-    if getattr(state, "state2", None) is not None:
-        tensors.extend(_state_tensors(state.state2))
+def quant_states(model: nn.Module) -> list[Any]:
+    """Every 4-bit quantisation state of ``model`` (a 4-bit Linear layer's, an NF4 expert stack's), each once, in
+    the modules' order: the same list on every rank that built the same model."""
+    states: list[Any] = []
+    seen: set[int] = set()
+    module: Any
+    for module in model.modules():
+        found = [getattr(module, "quant_state", None), getattr(getattr(module, "weight", None), "quant_state", None)]
+        found += [getattr(packed.original, "quant_state", None)
+                  for packed in getattr(module, "parametrizations", {}).values()]
+        for state in found:
+            if state is not None and hasattr(state, "absmax") and id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+    return states
+
+
+def place_quant_states(model: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """Put every 4-bit state's tensors (codes, scales, offset, nested ones) on ``device`` and return them, one per
+    slot, in a fixed order. FSDP2 moves a model's parameters and buffers only, so a state made on the host would
+    stay there while bitsandbytes dequantises the gathered weight on the card; the estimate counts them on the
+    card. A tensor several states share stays shared; one on the ``meta`` device (a model built without its
+    weights, :mod:`memfit.rank0_load`) becomes an empty one, to be filled."""
+    placed: dict[int, torch.Tensor] = {}
+    tensors = []
+    for state in quant_states(model):
+        for owner, name in _state_slots(state):
+            tensor = getattr(owner, name)
+            if id(tensor) not in placed:
+                placed[id(tensor)] = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.to(device)
+            setattr(owner, name, placed[id(tensor)])
+            tensors.append(placed[id(tensor)])
     return tensors
+
+
+def _state_slots(state: Any) -> list[tuple[Any, str]]:
+    """(object, attribute) of each tensor of a quantisation state, its nested state's too."""
+    slots = [(state, name) for name in ("absmax", "code", "offset")
+             if isinstance(getattr(state, name, None), torch.Tensor)]
+    if getattr(state, "state2", None) is not None:
+        slots.extend(_state_slots(state.state2))
+    return slots
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    return [getattr(owner, name) for owner, name in _state_slots(state)]
