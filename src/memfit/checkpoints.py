@@ -103,8 +103,12 @@ class Checkpoint:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        optimizers = _sharded_optimizers(optimizer)
+        optimizers = _sharded_optimizers(optimizer, saving=False)
         model_state, optimizer_state = get_state_dict(model, optimizers)
+        states: dict[str, Any] = optimizer_state["state"]  # type: ignore[assignment]  # (keyed by name)
+        unsaved = _unsaved_states(states, self.path / SHARDED) if optimizers is not optimizer else []
+        for name in unsaved:  # a step in backward's parameter that had no state yet: none to read, none after
+            states[name] = {}
         load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(self.path / SHARDED))
         set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
         if isinstance(optimizer, InBackwardOptimizer):
@@ -233,7 +237,7 @@ def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, _sharded_optimizers(optimizer))
+    model_state, optimizer_state = get_state_dict(model, _sharded_optimizers(optimizer, saving=True))
     save_shards({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(temporary / SHARDED))
     torch.save(rng, temporary / f"rng-{rank}.pt")
     dist.barrier()  # every rank's files are written
@@ -248,10 +252,24 @@ def save_sharded(output_dir: Path, *, model: torch.nn.Module, optimizer: torch.o
     return final
 
 
-def _sharded_optimizers(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+def _sharded_optimizers(optimizer: torch.optim.Optimizer, *,
+                        saving: bool) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
     """What torch's distributed state dicts read and write: the optimizer, or a step in backward's optimizers
     of one parameter each (their states keyed by the parameters' names, as one optimizer's are)."""
-    return optimizer.parameter_optimizers() if isinstance(optimizer, InBackwardOptimizer) else optimizer
+    if isinstance(optimizer, InBackwardOptimizer):
+        return optimizer.parameter_optimizers(saving=saving)
+    return optimizer
+
+
+def _unsaved_states(states: dict[str, Any], directory: Path) -> list[str]:
+    """The parameters (by name) whose optimizer state the checkpoint in ``directory`` does not hold: saved
+    empty (a step in backward's parameter not yet updated)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    prefix = "optimizer.state."
+    saved = {key[len(prefix):].rsplit(".", 1)[0] for key in FileSystemReader(str(directory)).read_metadata()
+             .state_dict_metadata if key.startswith(prefix)}
+    return [name for name in states if name not in saved]
 
 
 def _complete(temporary: Path, final: Path) -> None:

@@ -332,6 +332,15 @@ def test_the_step_in_backward_updates_fsdps_shards_and_a_sharded_checkpoint_keep
         check = guarded_step(optimizer, named, torch.ones(()), scaler=None, max_grad_norm=None)
         assert not check.grads_finite and check.bad_parameters == ["classifier.weight"]
 
+        # another rank kept one of its shards: the norm summed over the ranks says so, on every rank
+        reduce = torch.distributed.all_reduce
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.distributed, "all_reduce",
+                          lambda tensor, **options: (reduce(tensor, **options), tensor.add_(float("inf")))[0])
+            model(**batch).loss.backward()
+            check = guarded_step(optimizer, named, torch.ones(()), scaler=None, max_grad_norm=None)
+        assert not check.grads_finite and check.bad_parameters == []  # none of this rank's
+
         for group in optimizer.param_groups:
             group["lr"] = 0.025  # where a schedule would be
         checkpoints.save_sharded(tmp_path, model=model, optimizer=optimizer, state={}, progress={"step": 2},
@@ -347,3 +356,19 @@ def test_the_step_in_backward_updates_fsdps_shards_and_a_sharded_checkpoint_keep
             assert torch.equal(state["step"], state_again["step"])
             assert restored.state[again] is state_again
         assert [group["lr"] for group in restored.param_groups] == [0.025] * len(restored.param_groups)
+
+        # a parameter never updated yet (its only gradient was not finite) has no state: saving makes none (that
+        # would change the run), and a resumed run's has none either
+        model, optimizer = built()
+        poison["on"] = True
+        model(**batch).loss.backward()
+        poison["on"] = False
+        classifier = dict(model.named_parameters())["classifier.weight"]
+        checkpoints.save_sharded(tmp_path / "new", model=model, optimizer=optimizer, state={}, progress={"step": 1},
+                                 config={}, model_architecture={}, keep_last=1, rank=0, world_size=1, rng={})
+        assert not optimizer.per_parameter[classifier].state[classifier]
+        fresh, restored = built()
+        checkpoints.load(tmp_path / "new" / "checkpoints" / "step-00000001").load_sharded(fresh, restored)
+        for (parameter, inner), (again, loaded) in zip(optimizer.per_parameter.items(),
+                                                       restored.per_parameter.items(), strict=True):
+            assert inner.state[parameter].keys() == loaded.state[again].keys()

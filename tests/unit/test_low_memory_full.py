@@ -247,6 +247,8 @@ def test_on_two_fsdp_ranks_the_planner_steps_each_shard_in_backward_where_nothin
     assert (run.distributed, run.world_size, run.per_rank_batch, run.resolved_accumulation_steps) == ("fsdp", 2, 2, 1)
     assert run.optimizer_in_backward and run.max_grad_norm is None
     assert estimate(run, device="cpu", seq_len=16).total_bytes == chosen.predicted_peak_bytes
+    replicated = wide_plans(budget, gpus=2, distributed="ddp", allow=Allowed(optimizer_in_backward=True))
+    assert replicated.candidates and not any(c.family.optimizer_in_backward for c in replicated.candidates)
 
 
 def test_the_planner_says_which_effective_batch_the_step_in_backward_fits(wide_plans: Callable[..., Plan]) -> None:

@@ -203,3 +203,27 @@ def test_a_hybrid_of_several_block_classes_takes_lora(tmp_path: Path) -> None:
     assert traced == measured
     with pytest.raises(UnsupportedModel, match=r"^jamba: not supported yet \("):
         estimate(config(tmp_path / "jamba", lora_rank=4, quantize_base="nf4"), seq_len=16)
+
+
+def test_every_4_bit_state_of_a_moe_qlora_model_is_found_after_fsdp_shards_it(tmp_path: Path) -> None:
+    """The states a rank-0 load broadcasts and a sharded run puts on the card: the Linear layers' and the expert
+    stacks', before and after FSDP2 replaces the parameters (dropping what the packed weights carried)."""
+    pytest.importorskip("bitsandbytes")
+    from memfit import distributed
+    from memfit.build import build_with_techniques
+    from memfit.models import resolve_model
+    from memfit.techniques.quantized_base import place_quant_states, quant_states
+
+    run = config(write_moe(tmp_path, "mixtral"), lora_rank=4, quantize_base="nf4", precision="fp32")
+    model = build_with_techniques(resolve_model(run.model), run, label_names=[], pad_token_id=0, task="causal-lm",
+                                  low_dtype=None)
+    before = quant_states(model)
+    experts = [state for module in model.modules() if (state := getattr(module, "nf4_state", None)) is not None]
+    assert experts and all(any(state is found for found in before) for state in experts)
+    with distributed.process_group("fsdp", "cpu") as world:
+        sharded = distributed.wrap(model, world, low_precision=None, device=torch.device("cpu"))
+        after = quant_states(sharded)
+        assert len(after) == len(before) and all(a is b for a, b in zip(after, before, strict=True))
+        slots = place_quant_states(sharded, torch.device("cpu"))
+    assert len(slots) == sum(3 if state.state2 is not None else 2 for state in before) + \
+        sum(2 for state in before if state.state2 is not None)  # codes, scales (an offset), the nested two

@@ -22,18 +22,22 @@ what is refused:
   updated. The step is reported as skipped with those parameters' names, and ``--max-nonfinite-steps`` still
   stops a run that keeps producing them. On a GPU the host read is one synchronisation per parameter (not
   measured here).
+- A sharded checkpoint saves each shard's state; AdamW's step counter is one number per parameter, saved once
+  for all ranks, so after a step where only some ranks kept a shard (a non-finite gradient there) the resumed
+  ranks share one rank's count.
 - No out-of-memory recovery: an OOM inside backward can come after some parameters were updated, and
   replaying the window would update them twice. The run stops with the last checkpoint as the place to
   resume from (said before the run starts); plan with a margin.
 - Under FSDP (``--distributed fsdp``), each rank updates its own shard of a parameter when FSDP hands it the
   reduced shard of the gradient (FSDP2 runs post-accumulate-grad hooks on its sharded parameters after the
-  reduce-scatter, with ``--cpu-offload`` too): a parameter's whole gradient never exists on any rank, and each
-  rank checks its own shard, so a shard whose gradient is not finite keeps its values while the parameter's other
-  shards are updated. The step's gradient norm is summed over the ranks that shard it (one all-reduce of one
-  number per step, no collective per parameter), so every rank sees the same norm and counts a non-finite step
-  alike. Not under DDP: its gradient buckets are all-reduced after the hooks would have updated the parameters
-  with this rank's own gradient. Not with ``--offload-optimizer`` (one process; FSDP's ``--cpu-offload`` is
-  the one that offloads here).
+  reduce-scatter, with ``--cpu-offload`` too, where the shard is on the host) and frees it: only the unit being
+  back-propagated holds its unreduced gradients, no rank keeps a set of reduced ones. Each rank checks its own
+  shard, so a shard whose gradient is not finite keeps its values while the parameter's other shards are
+  updated. The step's gradient norm is summed over the ranks that shard it (one all-reduce of one number per
+  step, on the group's device, no collective per parameter), so every rank sees the same norm and counts a
+  non-finite step alike. Not under DDP (nor ``--distributed auto``, which may choose it): its gradient buckets
+  are all-reduced after the hooks would have updated the parameters with this rank's own gradient. Not with
+  ``--offload-optimizer`` (one process; FSDP's ``--cpu-offload`` is the one that offloads here).
 
 Works with AdamW (fused, foreach or a loop), SGD, bitsandbytes' 8-bit AdamW and torch-optimi's Kahan AdamW
 (:mod:`memfit.techniques.bf16_true`): each parameter's optimizer is the run's optimizer over that one parameter.
@@ -104,9 +108,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 self.per_parameter[parameter] = inner
                 self._group_of[parameter] = group
                 parameter.register_post_accumulate_grad_hook(self._step_parameter)
-        self.group = next((group for parameter in self.per_parameter
-                           if (group := shard_group(parameter)) is not None), None)
+        sharded = next((parameter for parameter in self.per_parameter if shard_group(parameter) is not None), None)
+        self.group = None if sharded is None else shard_group(sharded)
         """The ranks whose shards make up each parameter (FSDP), over which the step's norm is summed."""
+        self._reduce_on = None if sharded is None else torch.device(sharded.device_mesh.device_type)  # type: ignore[attr-defined]
+        """Where that sum runs: the group's device (with FSDP's CPU offload the gradients are on the host)."""
         first = next(iter(self.per_parameter.values()))
         self.defaults.update({key: value for key, value in first.defaults.items() if key in ("fused", "foreach")})
 
@@ -145,8 +151,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self.group is not None:
             import torch.distributed as dist
 
-            if squared is None:  # no shard of this rank had a gradient: it still takes part in the sum
-                squared = torch.zeros((), device=local_part(next(iter(self.per_parameter))).device)
+            # no shard of this rank had a gradient: it still takes part in the sum
+            squared = torch.zeros((), device=self._reduce_on) if squared is None else squared.to(self._reduce_on)
             dist.all_reduce(squared, group=self.group)
         return torch.zeros(()) if squared is None else squared.sqrt()
 
@@ -175,11 +181,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         group = self._group_of[parameter]
         inner.param_groups[0].update({key: value for key, value in group.items() if key != "params"})
 
-    def parameter_optimizers(self) -> list[torch.optim.Optimizer]:
+    def parameter_optimizers(self, *, saving: bool) -> list[torch.optim.Optimizer]:
         """The per-parameter optimizers, each with its group's current hyperparameters: what a sharded
-        checkpoint saves and loads (torch's distributed state dicts key their states by parameter name)."""
+        checkpoint saves and loads (torch's distributed state dicts key their states by parameter name).
+        ``saving``: one that has no state yet (its parameter never updated) shows an empty one, so that torch's
+        state dicts do not make one by stepping it (they step an optimizer without state, to have its layout)."""
         for parameter, inner in self.per_parameter.items():
             self._share_group(parameter, inner)
+            if saving:
+                inner.state.setdefault(parameter, {})
         return list(self.per_parameter.values())
 
     def loaded_per_parameter(self) -> None:

@@ -195,7 +195,10 @@ def quant_states(model: nn.Module) -> list[Any]:
     seen: set[int] = set()
     module: Any
     for module in model.modules():
-        found = [getattr(module, "quant_state", None), getattr(getattr(module, "weight", None), "quant_state", None)]
+        # a Linear layer's (on the module: FSDP2's sharded parameter drops the weight's), an expert stack's
+        # (on its parametrization, the same object as its packed weight's)
+        found = [getattr(module, "quant_state", None), getattr(getattr(module, "weight", None), "quant_state", None),
+                 getattr(module, "nf4_state", None)]
         found += [getattr(packed.original, "quant_state", None)
                   for packed in getattr(module, "parametrizations", {}).values()]
         for state in found:
