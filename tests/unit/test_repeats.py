@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+import memfit.memory.estimate as estimate_module
+import memfit.memory.repeats as repeats_module
 from memfit import TrainConfig
 from memfit.memory import ddp_buckets, shortened
 from memfit.memory.estimate import Estimate, estimate, prepare_trace
@@ -68,9 +70,9 @@ GRID = [
     ("llama", "4090", {"task": "causal-lm", "checkpointing": "every-n", "effective_batch": 10,
                        "micro_batch_size": 2}, "8 of 10 micro-steps"),
     ("llama", "4090", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16"},
-     "5 of 6 blocks"),
+     "4 of 6 blocks"),
     ("llama", "cpu", {"task": "causal-lm", "lora_rank": 4, "quantize_base": "nf4", "checkpointing": "full"},
-     "5 of 6 blocks"),
+     "4 of 6 blocks"),
     ("llama", "1080ti", {"task": "causal-lm", "optimizer": "adamw8bit", "precision": "fp16"}, "4 of 6 blocks"),
     ("llama", "cpu", {"task": "causal-lm", "fused": False, "foreach": False, "checkpointing": "full",
                       "effective_batch": 4, "micro_batch_size": 1}, "4 of 6 blocks"),  # a loop's step, per parameter
@@ -95,7 +97,7 @@ GRID = [
      "5 of 7 blocks and 8 of 12 micro-steps"),  # bf16 shards, Kahan buffers and torch-optimi's loop on DTensors
     ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
                         "lora_rank": 4, "quantize_base": "nf4", "precision": "bf16", "checkpointing": "full"},
-     "6 of 7 blocks"),  # QLoRA: a spacer below the groups (memory/depth.py)
+     "5 of 7 blocks"),  # QLoRA: its first block's extra casts lined up from the end (memory/repeats.py)
     ("llama7", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "cpu_offload": True,
                           "precision": "fp16", "effective_batch": 24, "micro_batch_size": 2},
      "5 of 7 blocks and 8 of 12 micro-steps"),  # shards and optimizer on the host (memory/host_shards.py)
@@ -196,13 +198,31 @@ def test_copies_are_inserted_after_the_group_and_free_their_own_storages() -> No
     assert sorted(allocated, key=repr) == sorted({event[1] for event in expanded if event[0] == "f"}, key=repr)
 
 
+def test_qlora_needs_no_spacer_its_first_blocks_extra_casts_are_lined_up_from_the_end(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """QLoRA's first block allocates more than the rest before its ordinary work (its input's casts), which
+    shifts the places the next block's backward frees by: counted back from the last, the groups repeat, and the
+    copy of 4 blocks is the full trace, byte for byte; counted from the first only, it is refused."""
+    full, fast = both(models["llama"], "cpu", task="causal-lm", lora_rank=4, checkpointing="full", quantize_base="nf4")
+    assert "4 of 6 blocks" in fast.trace
+    assert_equal(full, fast)
+    monkeypatch.setattr(estimate_module, "expand", from_the_first_only)
+    shortened.forget_spacers()
+    assert "5 of 6 blocks" in both(models["llama"], "cpu", task="causal-lm", lora_rank=4, checkpointing="full",
+                                   quantize_base="nf4")[1].trace
+
+
+def from_the_first_only(events: list[Any], axis: int, repeat: Repeat) -> list[Any]:
+    """:func:`memfit.memory.repeats.expand` without its second comparison (places counted back from the last)."""
+    return repeats_module._Expansion(events, axis, repeat).run()
+
+
 def test_a_copy_that_does_not_repeat_is_traced_again_with_a_spacer_and_remembered(
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """QLoRA's first block allocates more than the rest: a copy without a spacer is refused, the trace runs again
-    with one (equal to the full trace), and runs of that model with adapters start with the spacer from then on."""
-    first = shortened.spaced_first
-    monkeypatch.setattr(shortened, "spaced_first",  # QLoRA not known up front to need it
-                        lambda config, trace: config.quantize_base == "none" and first(config, trace))
+    """A first block that allocates more than the rest in a way the places cannot line up (QLoRA's, compared from
+    the first place only): a copy without a spacer is refused, the trace runs again with one (equal to the full
+    trace), and runs of that model with adapters start with the spacer from then on."""
+    monkeypatch.setattr(estimate_module, "expand", from_the_first_only)
     lora = TrainConfig(model=str(models["llama"]), max_length=16, task="causal-lm", lora_rank=4, checkpointing="full")
     assert "4 of 6 blocks" in estimate(lora, device="cpu", seq_len=16).trace
     full, fast = both(models["llama"], "cpu", task="causal-lm", lora_rank=4, checkpointing="full", quantize_base="nf4")

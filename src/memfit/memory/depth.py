@@ -7,9 +7,10 @@ the model built on the ``meta`` device (no memory, about a second for an 8B mode
 checkpointed every N-th repeat with a period of N blocks; a different first block (DeepSeek's dense first
 layers) moves the repeating part up. The copy is as shallow as the record allows: the first block, the group
 copied and the group before it, one block after. Where a block's frees refer to its lower neighbour's storages
-and the first block allocates differently (QLoRA's first block), the group before must sit on an ordinary block:
-the copy then keeps a *spacer*, one period more (:func:`memfit.memory.shortened.needs_spacer` remembers which
-runs needed it). With the top K blocks trained and the rest frozen, each of the two runs is
+and the first block allocates differently in a way the record's places cannot line up (QLoRA's first block, which
+allocates more before its ordinary work, can: :func:`memfit.memory.repeats.expand`), the group before must sit on
+an ordinary block: the copy then keeps a *spacer*, one period more (:func:`memfit.memory.shortened.needs_spacer`
+remembers which runs needed it). With the top K blocks trained and the rest frozen, each of the two runs is
 cut and copied on its own (two groups). Blocks that alternate in kind (Gemma-2's and gpt-oss's sliding and full
 attention) are traced in full.
 """

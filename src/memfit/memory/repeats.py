@@ -412,12 +412,26 @@ def replay(events: list[Event], tracker: StorageTracker) -> None:
 def expand(events: list[Event], axis: int, repeat: Repeat) -> list[Event]:
     """``events`` with the owners ``repeat.first + period .. repeat.last`` along ``axis`` (:data:`BLOCK` or
     :data:`MICRO`) copied ``repeat.copies`` times and the later owners renumbered; raises
-    :class:`NotRepeating` where the copied group is not congruent to the one before it."""
-    return _Expansion(events, axis, repeat).run()
+    :class:`NotRepeating` where the copied group is not congruent to the one before it.
+
+    A storage is known by its owner and its place among what its owner allocates (in a micro-step and phase),
+    counted from the first allocation; where the groups are not congruent so, they are compared again with the
+    places counted back from the last: a first block that allocates more before its ordinary work (QLoRA's
+    casts of its input) shifts the places of everything after, which the next block's backward frees by
+    reference to it. Either way the congruence check decides; the copies are named consistently with it."""
+    try:
+        return _Expansion(events, axis, repeat).run()
+    except NotRepeating as first:
+        if axis != BLOCK:
+            raise
+        try:
+            return _Expansion(events, axis, repeat, from_end=True).run()
+        except NotRepeating:
+            raise first from None
 
 
 class _Expansion:
-    def __init__(self, events: list[Event], axis: int, repeat: Repeat) -> None:
+    def __init__(self, events: list[Event], axis: int, repeat: Repeat, *, from_end: bool = False) -> None:
         self.events, self.axis, self.repeat = events, axis, repeat
         self.other = MICRO if axis == BLOCK else BLOCK
         self.tag = "block" if axis == BLOCK else "micro"
@@ -425,6 +439,7 @@ class _Expansion:
         self.owner: dict[Hashable, int | None] = {}
         self.place: dict[Hashable, tuple[Hashable, ...]] = {}
         counts: Counter[tuple[Hashable, ...]] = Counter()
+        spaces: dict[Hashable, tuple[Hashable, ...]] = {}
         for event in events:
             if event[0] in ("a", "h"):
                 owner = _owner(event, axis)
@@ -432,7 +447,11 @@ class _Expansion:
                 if owner is not None:
                     space = (owner, event[self.other], event[7])
                     self.place[event[1]] = (event[self.other], event[7], counts[space])
+                    spaces[event[1]] = space
                     counts[space] += 1
+        if from_end:  # the same places, counted back from the last of each owner's (-1 the last)
+            self.place = {storage: (*place[:2], place[2] - counts[spaces[storage]])  # type: ignore[operator]
+                          for storage, place in self.place.items()}
         self.events = events = _frees_in_order(events, axis, self.owner, self.place, repeat.period)
         self.runs: list[tuple[int | None, int, int]] = []
         start = 0

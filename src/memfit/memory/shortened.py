@@ -82,9 +82,10 @@ _SPANNING: set[tuple[str, ...]] = set()
 
 
 def spaced_first(config: TrainConfig, trace: TraceInputs) -> bool:
-    """Whether a copy for this run starts with a spacer: QLoRA's (its first block allocates more than the rest,
-    its input's casts), or a run like one that needed it before."""
-    return config.quantize_base != "none" or _spacer_key(config, trace) in _SPACED
+    """Whether a copy for this run starts with a spacer: where a run like this one needed it before (QLoRA's
+    first block, which allocates more than the rest for its input's casts, does not need one: the places of its
+    storages are compared counted back from its last, :func:`memfit.memory.repeats.expand`)."""
+    return _spacer_key(config, trace) in _SPACED
 
 
 def needs_spacer(config: TrainConfig, trace: TraceInputs) -> None:
