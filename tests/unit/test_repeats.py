@@ -3,6 +3,7 @@ step does not repeat, the full trace runs and the estimate says why."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,56 @@ def test_a_group_that_does_not_repeat_the_one_before_is_refused() -> None:
         expand(events, BLOCK, Repeat(first=2, period=1, copies=2))
 
 
+def block_record(blocks: int, first_extra: str) -> list[Any]:
+    """A record of ``blocks`` blocks. Forward: each allocates ``h``, its output ``out`` and ``k``; the first one
+    also 8-byte casts, ``first_extra``: one "before" its own work, or one before its output and one after it
+    ("around"). Backward: each block from the top allocates and frees a gradient, then frees its lower
+    neighbour's output."""
+    forward: list[Any] = []
+    for owner in range(1, blocks + 1):
+        names = ["h", "out", "k"]
+        if owner == 1:
+            names = ["cast", *names] if first_extra == "before" else ["h", "cast", "out", "k", "cast2"]
+        forward += [("a", f"{name}{owner}", 16 if name == "out" else 8, "activations", owner, None, 0,
+                     (True, "forward")) for name in names]
+    backward: list[Any] = []
+    for owner in range(blocks, 0, -1):
+        backward += [("a", f"g{owner}", 4, "temporaries", owner, None, 0, (True, "backward")),
+                     ("f", f"g{owner}", 0, None, owner, None, 0, None)]
+        backward += [("f", f"out{owner - 1}", 0, None, owner, None, 0, None)] if owner > 1 else []
+    return forward + backward
+
+
+def replayed(events: list[Any]) -> tuple[int, list[int]]:
+    """(the peak, the live bytes after each event) of ``events`` replayed through a tracker's accounting."""
+    from memfit.memory.repeats import replay
+    from memfit.memory.tracker import StorageTracker
+
+    live: list[int] = []
+    tracker = StorageTracker()
+    for event in events:
+        replay([event], tracker)
+        live.append(tracker.live_bytes)
+    return tracker.peak_bytes, live
+
+
+def test_a_first_block_that_allocates_more_before_its_work_repeats_counted_from_the_end() -> None:
+    """The first block casts first (QLoRA's input): block 2's backward frees the first block's output at another
+    place (counted from the first) than block 3's frees block 2's. Counted from the last, the groups repeat, and
+    the expanded 4-block record replays as the 6-block record does, event for event."""
+    group = Repeat(first=2, period=1, copies=2)
+    with pytest.raises(NotRepeating, match="block 3 does not repeat block 2"):
+        repeats_module._Expansion(block_record(4, "before"), BLOCK, group).run()
+    assert replayed(expand(block_record(4, "before"), BLOCK, group)) == replayed(block_record(6, "before"))
+
+
+def test_a_first_block_that_allocates_more_around_its_output_is_refused_either_way() -> None:
+    """Extra allocations before and after the first block's output: its place differs counted from either end,
+    so no copy is made (the trace goes on with a spacer, or in full)."""
+    with pytest.raises(NotRepeating, match="block 3 does not repeat block 2"):
+        expand(block_record(4, "around"), BLOCK, Repeat(first=2, period=1, copies=2))
+
+
 def test_copies_are_inserted_after_the_group_and_free_their_own_storages() -> None:
     """Forward allocates one tensor per block, backward frees them all at once: two copies of block 3 allocate
     and free two more, and block 4 becomes block 6 (frees in a row are put in one order: by block)."""
@@ -221,11 +272,14 @@ def test_a_copy_that_does_not_repeat_is_traced_again_with_a_spacer_and_remembere
         models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A first block that allocates more than the rest in a way the places cannot line up (QLoRA's, compared from
     the first place only): a copy without a spacer is refused, the trace runs again with one (equal to the full
-    trace), and runs of that model with adapters start with the spacer from then on."""
+    trace), and QLoRA runs of that model start with the spacer from then on (LoRA's first block is ordinary)."""
     monkeypatch.setattr(estimate_module, "expand", from_the_first_only)
     lora = TrainConfig(model=str(models["llama"]), max_length=16, task="causal-lm", lora_rank=4, checkpointing="full")
     assert "4 of 6 blocks" in estimate(lora, device="cpu", seq_len=16).trace
     full, fast = both(models["llama"], "cpu", task="causal-lm", lora_rank=4, checkpointing="full", quantize_base="nf4")
     assert "5 of 6 blocks" in fast.trace
     assert_equal(full, fast)
-    assert "5 of 6 blocks" in estimate(lora, device="cpu", seq_len=16).trace
+    qlora = dataclasses.replace(lora, quantize_base="nf4", precision="fp32")
+    assert shortened.spaced_first(qlora, prepare_trace(qlora, device="cpu", seq_len=16, steps=2))
+    assert not shortened.spaced_first(lora, prepare_trace(lora, device="cpu", seq_len=16, steps=2))
+    assert "4 of 6 blocks" in estimate(lora, device="cpu", seq_len=16).trace

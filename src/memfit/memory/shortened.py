@@ -110,7 +110,7 @@ def _spacer_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
     step's kernels (a wrong guess costs time, never bytes: a copy that does not repeat is refused and traced
     otherwise)."""
     return (json.dumps(trace.spec.hf_config.to_dict(), sort_keys=True, default=str), trace.task,
-            str(config.lora_rank > 0), config.optimizer, str(config.fused), str(config.foreach))
+            str(config.lora_rank > 0), config.quantize_base, config.optimizer, str(config.fused), str(config.foreach))
 
 
 def _buckets_key(config: TrainConfig, trace: TraceInputs) -> tuple[str, ...]:
