@@ -106,7 +106,7 @@ class Checkpoint:
         optimizers = _sharded_optimizers(optimizer, saving=False)
         model_state, optimizer_state = get_state_dict(model, optimizers)
         states: dict[str, Any] = optimizer_state["state"]  # type: ignore[assignment]  # (keyed by name)
-        unsaved = _unsaved_states(states, self.path / SHARDED) if optimizers is not optimizer else []
+        unsaved = _unsaved_states(states, self.path / SHARDED) if isinstance(optimizer, InBackwardOptimizer) else []
         for name in unsaved:  # a step in backward's parameter that had no state yet: none to read, none after
             states[name] = {}
         load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(self.path / SHARDED))
