@@ -380,8 +380,6 @@ def _check_low_memory_full(problems: Problems, config: TrainConfig) -> None:
     if config.precision == "bf16-true" and several and config.distributed != "fsdp":
         problems.add("--precision bf16-true trains on several GPUs with --distributed fsdp (its bf16 weights, "
                      "gradients and state sharded); use it, or --precision bf16")
-    if config.precision == "bf16-true" and config.cpu_offload:
-        problems.add("--precision bf16-true with --cpu-offload is not supported; use one or the other")
     if config.precision == "bf16-true" and config.offload_optimizer:
         problems.add("--precision bf16-true with --offload-optimizer is not supported; use one or the other")
     if config.fused and uses_kahan(config.kahan, precision=config.precision, optimizer=config.optimizer):

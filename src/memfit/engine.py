@@ -354,7 +354,8 @@ def place_model(model: nn.Module, checkpoint: checkpoints.Checkpoint | None, wor
         if checkpoint is not None and not checkpoint.sharded:  # one process only (checkpointer.open_run_dir)
             checkpoint.load_weights(model)
         if once:
-            model = rank0_load.shard_from_rank_0(model, wrap, main=world.is_main, device=device)
+            model = rank0_load.shard_from_rank_0(model, wrap, main=world.is_main, device=device,
+                                                 offload=world.cpu_offload)
         elif world.distributed:  # FSDP2 moves only the shards
             model = wrap(model)
             place_quant_states(model, device)  # (4-bit states are neither parameters nor buffers)

@@ -5,10 +5,10 @@ Without it each of a machine's N ranks builds the whole model in host memory bef
 at once (an 8B model on 8 GPUs: 8 x 30 GiB of host memory at load), though each rank keeps 1/N of it. Here the
 ranks build the same modules, the techniques applied (freezing, checkpointing, LoRA), rank 0 from the weights and
 the others on ``meta``; every rank shards its model (FSDP2 shards meta parameters as it shards real ones), the
-others allocate their empty shards, and rank 0 broadcasts every tensor of its state dict, each rank keeping its
-shard (``set_model_state_dict(..., broadcast_from_rank0=True)``), then the buffers a state dict leaves out
-(rotary frequencies). The weights are rank 0's, bit for bit, as they would have been on every rank; the random
-number generator is rank 0's after its build on every rank, as a build on each would have left it.
+others allocate their empty shards (on the host under ``--cpu-offload``, where FSDP2 keeps them, the buffers on
+the card), and rank 0 broadcasts every parameter through the device, one at a time, each rank copying its slice
+into its shard, then every buffer. The weights are rank 0's, bit for bit, as they would have been on every rank;
+the random number generator is rank 0's after its build on every rank, as a build on each would have left it.
 
 Trade-off: the machine of rank 0 still holds one full copy while it broadcasts, and the broadcast sends every
 tensor to every rank once (a load's worth of traffic over the link, against N reads of the files); each tensor
@@ -19,8 +19,6 @@ A 4-bit base (QLoRA) is quantised by rank 0 alone. The other ranks quantise thei
 (bitsandbytes' kernels have meta implementations: the packed weights and every quantisation state get their
 shapes and dtypes); their packed weights are filled like any weight, and every state's tensors (codes, scales,
 offsets, which are neither parameters nor buffers) are made empty on the device and broadcast from rank 0.
-Not with ``--cpu-offload`` (the offloaded shards are pinned host tensors FSDP2 makes itself): those runs build
-the model on every rank, as before.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def loads_once(config: TrainConfig, spec: ModelSpec, strategy: str, world_size: 
     """Whether this run's model is read by rank 0 alone (see the module docstring for the runs that are not;
     nor a checkpoint stored quantised, whose modules only its weights make)."""
     return strategy == "fsdp" and world_size > 1 and config.quantize_base in ("none", "nf4") \
-        and not config.cpu_offload and getattr(spec.hf_config, "quantization_config", None) is None
+        and getattr(spec.hf_config, "quantization_config", None) is None
 
 
 def load_host_bytes(config: TrainConfig, spec: ModelSpec, task: str, low_dtype: torch.dtype | None, *,
@@ -89,10 +87,9 @@ def materialised_bytes(model: nn.Module) -> int:
 
 
 def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module], *, main: bool,
-                      device: torch.device) -> nn.Module:
-    """``model`` sharded by ``shard`` on every rank, each shard holding rank 0's values (a collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+                      device: torch.device, offload: bool = False) -> nn.Module:
+    """``model`` sharded by ``shard`` on every rank, each shard holding rank 0's values (a collective);
+    ``offload``: FSDP2 keeps the shards on the host."""
     full: dict[str, Any] = _loadable(model) if main else {}  # rank 0's tensors, kept until broadcast
     manifest: Manifest = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in full.items()}
     manifest.update({f"buffer:{name}": (tuple(buffer.shape), buffer.dtype) for name, buffer in model.named_buffers()
@@ -105,17 +102,51 @@ def shard_from_rank_0(model: nn.Module, shard: Callable[[nn.Module], nn.Module],
                             "and the command")
     model = shard(model)
     if not main:
-        model.to_empty(device=device)
+        _allocate(model, device, offload=offload)
     for tensor in place_quant_states(model, device):  # the same slots, in the same order, on every rank
         dist.broadcast(tensor, src=0)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _broadcast_parameters(model, full, shared[0], main=main, device=device)
     del full
-    for buffer in model.buffers():  # non-persistent buffers are not in a state dict
+    for buffer in model.buffers():  # every buffer, the non-persistent ones too, whole on every rank
         dist.broadcast(buffer, src=0)
     state = [torch.get_rng_state()]
     dist.broadcast_object_list(state, src=0)
     torch.set_rng_state(state[0])
     return model
+
+
+def _allocate(model: nn.Module, device: torch.device, *, offload: bool) -> None:
+    """The meta model's shards and buffers made empty on ``device``; with ``offload`` its shards on the host
+    (FSDP2 pins them there), never all on the card at once."""
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    if offload:
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(device))
+
+
+def _broadcast_parameters(model: nn.Module, full: dict[str, torch.Tensor], manifest: Manifest, *, main: bool,
+                          device: torch.device) -> None:
+    """Rank 0's parameters (``full``), each broadcast whole through ``device`` in the manifest's order, each
+    other rank copying its slice into its shard (a tied weight's every name once more: the same values)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    targets = _loadable(model, keep_vars=True)
+    buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    with torch.no_grad():
+        for name, (shape, dtype) in manifest.items():
+            if name.startswith("buffer:") or name in buffers:
+                continue
+            whole = full[name].to(device) if main else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(whole, src=0)
+            if main:  # its shards were made from these values
+                continue
+            target = targets[name]
+            if isinstance(target, DTensor):
+                part = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(part.to_local())
+            else:
+                target.copy_(whole)
 
 
 def _loadable(model: nn.Module, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:

@@ -387,3 +387,20 @@ def test_fsdp_steps_each_ranks_shards_in_backward_and_resumes_them_exactly(work:
     resumed = [*args, "--micro-batch-size", "8", "--distributed", "fsdp", "--output-dir", str(one)]
     assert main([*resumed, "--resume", str(one / "checkpoints" / "step-00000003")]) == 0
     assert_weights_close(one, work / "in-backward-whole", atol=1e-5)
+
+
+def test_cpu_offloaded_shards_receive_rank_0s_weights(work: Path) -> None:
+    """Rank 0 reads, the other rank builds on ``meta`` and receives its shards into FSDP2's CPU offload policy's
+    host shards (the broadcast through the device, each rank copying its slice): every shard equals its slice of
+    the model built whole, every buffer the whole model's, on both ranks."""
+    out = work / "offload-load"
+    out.mkdir()
+    driver = Path(__file__).with_name("offload_load_driver.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(driver), str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((out / f"rank{rank}.json").read_text())
+        assert seen["parameters"] and all(seen["parameters"].values()), seen
+        assert seen["buffers"] and all(seen["buffers"].values()), seen

@@ -46,6 +46,8 @@ def test_the_shards_gradients_and_optimizer_live_on_the_host(llama: Path, precis
     assert host["offloaded_optimizer"] >= 2 * shards  # AdamW's two states, beside the step's temporaries
     assert offloaded.host_bytes == sum(host.values())
     assert offloaded.peak_bytes < plain.peak_bytes
+    # the optimizer's ops run on the host, and cost their launches as the card's do
+    assert offloaded.phase_ops["optimizer"] == plain.phase_ops["optimizer"] > 0
 
 
 def test_the_shards_are_made_on_the_host_never_all_on_the_card(tmp_path: Path) -> None:
@@ -59,3 +61,18 @@ def test_the_shards_are_made_on_the_host_never_all_on_the_card(tmp_path: Path) -
     result = estimate(config, device="1080ti", seq_len=8)
     assert result.peak_bytes == max(result.phases.values())
     assert result.host_breakdown["offloaded_parameters"] == padded_shard_bytes(model)
+
+
+def test_bf16_weights_offloaded_keep_their_shards_gradients_and_kahan_state_in_bf16_on_the_host(llama: Path) -> None:
+    """bf16-true with CPU offload: the host holds bf16 shards and gradient shards (half of fp32's), AdamW's two
+    states and the Kahan buffer in bf16; the card holds no state, and each layer's gradients, reduced in fp32,
+    are cast to bf16 on the card before they move (both live there at the cast)."""
+    config = TrainConfig(model=str(llama), task="causal-lm", max_length=16, world_size=RANKS, distributed="fsdp",
+                         precision="bf16-true", cpu_offload=True)
+    result = estimate(config, device="4090", seq_len=16)
+    host, shards = result.host_breakdown, padded_shard_bytes(llama) // 2
+    assert result.breakdown["parameters"] == result.breakdown["optimizer_state"] == result.breakdown["gradients"] == 0
+    assert host["offloaded_parameters"] == host["offloaded_gradients"] == shards
+    assert host["offloaded_optimizer"] >= 3 * shards  # two moments and the compensation, beside temporaries
+    fp32 = estimate(dataclasses.replace(config, precision="bf16"), device="4090", seq_len=16).host_breakdown
+    assert host["offloaded_optimizer"] < fp32["offloaded_optimizer"]

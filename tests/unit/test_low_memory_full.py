@@ -149,7 +149,6 @@ def test_a_nonfinite_gradient_leaves_its_parameter_alone() -> None:
     ({"precision": "bf16-true", "distributed": "ddp", "world_size": 2}, "on several GPUs with --distributed fsdp"),
     ({"optimizer_in_backward": True, "max_grad_norm": None, "distributed": "ddp", "world_size": 2,
       "micro_batch_size": 2}, "use --distributed fsdp"),
-    ({"precision": "bf16-true", "distributed": "fsdp", "cpu_offload": True}, "bf16-true with --cpu-offload"),
 ])
 def test_what_they_cannot_do_is_refused_in_one_line(options: dict[str, object], message: str) -> None:
     config = TrainConfig(effective_batch=4, **options)  # type: ignore[arg-type]

@@ -103,9 +103,9 @@ def plan_from_json(made: Any) -> Any:
 @pytest.mark.slow
 def test_what_the_ranks_of_a_machine_offload_must_fit_its_host_memory(tmp_path: Path) -> None:
     """FSDP with CPU offload on two cards: each rank keeps its shards and optimizer state on the host, so one
-    machine holding both ranks needs twice one rank's host bytes during the step, and before it both ranks build
-    the whole fp32 model (offloaded shards are not loaded once by rank 0): the larger of the two must fit. Two
-    machines of one GPU need one rank's."""
+    machine holding both ranks needs twice one rank's host bytes during the step, and before it rank 0 builds
+    the whole fp32 model (it reads for both: the other rank receives its host shards): the larger of the two
+    must fit. Two machines of one GPU need one rank's."""
     model = str(write_model_dir(tmp_path / "parameter-bert", PARAMETER_BERT))
     base = TrainConfig(model=model, max_length=32, effective_batch=2, distributed="fsdp", cpu_offload=True)
     traces: dict[Any, Any] = {}
@@ -121,8 +121,8 @@ def test_what_the_ranks_of_a_machine_offload_must_fit_its_host_memory(tmp_path: 
     assert per_rank == estimate(unchecked.to_config(), device="a100-80", seq_len=32).host_bytes > 0
     assert f"and {format_bytes(2 * per_rank)} host memory per machine" in unchecked.verdict  # unchecked: the step's
     loading = 4 * chosen.parameters  # one rank's fp32 build
-    assert estimate(unchecked.to_config(), device="a100-80", seq_len=32).load_host_bytes == 2 * loading
-    need = max(2 * per_rank, 2 * loading)
+    assert estimate(unchecked.to_config(), device="a100-80", seq_len=32).load_host_bytes == loading
+    need = max(2 * per_rank, loading)
     exactly = planned(host_memory=need)
     assert exactly.chosen is not None and exactly.chosen.family == chosen.family
     assert f"{format_bytes(need)} of {format_bytes(need)} host memory" in exactly.verdict
@@ -214,9 +214,29 @@ def test_the_host_memory_of_loading_counts_each_build_on_the_machine(tmp_path: P
     assert loading("fsdp", torch.bfloat16, lora_rank=4) == 2 * parameters
     assert loading("fsdp", torch.bfloat16, lora_rank=4, quantize_base="nf4") == 2 * parameters  # rank 0 quantises
     assert loading("ddp", torch.bfloat16, lora_rank=4, quantize_base="nf4") == 2 * 2 * parameters  # each replica
+    assert loading("fsdp", cpu_offload=True) == 4 * parameters  # offloaded shards: rank 0 still reads for all
     config = TrainConfig(model=str(model), task="causal-lm", distributed="ddp", world_size=2, effective_batch=2,
                          max_length=16, precision="fp32")
     assert estimate(config, device="cpu", seq_len=16).load_host_bytes == 2 * 4 * parameters
+
+
+def test_a_rank_receiving_offloaded_shards_makes_them_on_the_host_and_its_buffers_on_the_card() -> None:
+    """Under --cpu-offload a rank that built on ``meta`` allocates its shards where FSDP2 keeps them, the host,
+    never all on the card at once; its buffers (rotary frequencies) on the card, where the forward reads them.
+    The "card" here is the meta device: what lands there was not made on the host."""
+    import torch
+
+    from memfit.rank0_load import _allocate
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        model[1].register_buffer("inv_freq", torch.ones(2), persistent=False)
+    _allocate(model, torch.device("meta"), offload=True)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert [b.device.type for b in model.buffers()] == ["meta"]
+    assert "1.inv_freq" not in model.state_dict()  # still not persistent
+    _allocate(model, torch.device("cpu"), offload=False)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
 
 
 def test_offloaded_activations_cost_what_their_samples_save_whatever_the_split() -> None:

@@ -102,6 +102,9 @@ GRID = [
     ("llama7", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "cpu_offload": True,
                           "precision": "fp16", "effective_batch": 24, "micro_batch_size": 2},
      "5 of 7 blocks and 8 of 12 micro-steps"),  # shards and optimizer on the host (memory/host_shards.py)
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "cpu_offload": True,
+                        "precision": "bf16-true", "effective_batch": 24, "micro_batch_size": 2},
+     "5 of 7 blocks and 8 of 12 micro-steps"),  # bf16 on the host: each reduced shard cast on the card first
     ("llama12", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "fp16",
                            "checkpointing": "every-n"}, "8 of 12 blocks"),
     ("llama12", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16",

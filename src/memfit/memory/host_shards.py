@@ -11,6 +11,8 @@ given at the level every op passes, the tracker's dispatch:
 - an all-gather's input made from host shards (the compute-dtype cast, or FSDP2's copy-in op) runs on the card:
   the shards' card copies live while it runs, its output is the card's;
 - a reduce-scatter's output (the gradient shards) moves to the host once reduced (``offloaded_gradients``);
+  where it is reduced in another dtype than the shards' (``--precision bf16-true``: bf16 shards, gradients reduced
+  in fp32), FSDP2 first casts it on the card: the reduced output stays there until the cast, and the cast moves;
 - any other op whose tensors are on the host runs there (the optimizer's state and update, clipping, FSDP2's
   padding of a shard at its first forward): ``offloaded_optimizer`` in the optimizer's phase.
 
@@ -50,10 +52,15 @@ class HostShards:
         self._copies = itertools.count()
         self.reduced = 0
         """Reduce-scatters seen (their outputs moved to the host)."""
+        self.gradient_dtypes: set[torch.dtype] = set()
+        """The trained shards' dtypes: the gradient shards' a reduced output is cast to, if another."""
+        self._cast_pending: set[int] = set()
+        """Reduced outputs, on the card until their cast to the shards' dtype."""
 
     def offload(self, module: torch.nn.Module) -> None:
         """The sharded module's parameters (its shards) move to the host."""
         self.tracker.move_to_host(list(module.parameters()), SHARDS)
+        self.gradient_dtypes = {parameter.dtype for parameter in module.parameters() if parameter.requires_grad}
 
     def dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """Run one op the tracker sees, on the side of the rules above, and count it there."""
@@ -65,15 +72,24 @@ class HostShards:
             tracker.attribute(func, args, leaves)
             host = None if copies else self.host_category((args, kwargs))
             if host is not None:
+                tracker.count_host_op(func, args, kwargs, out)
                 tracker.track_host(leaves, host)
                 return out
             tracker.count_outputs(func, args, kwargs, out, leaves)
         finally:
             for key in copies:
                 tracker.release(key)
-        if func._schema.name == REDUCE_SCATTER:  # the gradient shards move to the host
-            tracker.move_to_host([args[0]], GRADIENTS)
+        if func._schema.name == REDUCE_SCATTER:
             self.reduced += 1
+            if args[0].dtype in self.gradient_dtypes or len(self.gradient_dtypes) != 1:
+                tracker.move_to_host([args[0]], GRADIENTS)  # the gradient shards move to the host
+            else:
+                self._cast_pending.add(args[0].untyped_storage()._cdata)
+        elif self._cast_pending and func._schema.name == "aten::_to_copy":
+            pending = {tensor.untyped_storage()._cdata for tensor in self._local(args)} & self._cast_pending
+            if pending:  # the cast gradient shards move to the host; the reduced output is freed on the card
+                self._cast_pending -= pending
+                tracker.move_to_host(leaves, GRADIENTS)
         return out
 
     def check(self) -> None:

@@ -187,6 +187,11 @@ class StorageTracker(TorchDispatchMode):
     def track_host(self, leaves: list[Any], category: str) -> None:
         self._track_host(leaves, category)
 
+    def count_host_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Count an op that runs on the host (its outputs are the host's): its launch costs the step as a device
+        op's does (an offloaded optimizer's update, parameter by parameter)."""
+        self._count(func, args, kwargs, out)
+
     def _attribute(self, func: Any, args: Any, leaves: list[torch.Tensor]) -> None:
         """Before an op's outputs are counted: nothing here (a recording tracker says whose they are)."""
 

@@ -83,13 +83,11 @@ def stages(search: Search, num_layers: int, allow: Allowed) -> list[Stage]:
         return dataclasses.replace(family, offload_activations=True)
 
     def bf16_true(family: Family) -> Family | None:
-        if not profile.has_native_bf16 or family.strategy == "ddp" or family.offload_optimizer or \
-                search.base.cpu_offload:  # several GPUs: FSDP shards the bf16 weights and state, on the cards
-            return None
+        if not profile.has_native_bf16 or family.strategy == "ddp" or family.offload_optimizer:
+            return None  # several GPUs: FSDP shards the bf16 weights and state, on the cards or on the host
         kahan = "8bit" not in family.optimizer and importlib.util.find_spec("optimi") is not None
-        strategy = "fsdp" if family.strategy == "fsdp-offload" else family.strategy
-        return dataclasses.replace(family, precision="bf16-true", kahan=kahan, strategy=strategy,
-                                   kernels=default_kernels(family.optimizer, strategy, profile, kahan=kahan))
+        return dataclasses.replace(family, precision="bf16-true", kahan=kahan,
+                                   kernels=default_kernels(family.optimizer, family.strategy, profile, kahan=kahan))
 
     def eight_bit(family: Family, optimizer: str = "adamw8bit") -> Family | None:
         if family.offload_optimizer or (optimizer.startswith("paged") and profile.kind != "cuda"):
