@@ -539,8 +539,9 @@ def test_a_shard_group_is_kept_by_the_sharded_families_only() -> None:
 
 
 
-def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() -> None:
-    """FSDP's CPU offload is searched on a card, not with HSDP's shard groups, whose offload is refused."""
+def test_a_plan_on_several_cards_offloads_only_on_a_card() -> None:
+    """FSDP's CPU offload is searched on a card (within the run's own shard groups too), not on a CPU, and not
+    for the machines' HSDP."""
     from memfit.devices import resolve_profile
     from memfit.planner.families import strategies
 
@@ -550,16 +551,13 @@ def test_a_plan_on_several_cards_offloads_only_where_the_estimate_emulates_it() 
     card, cpu = resolve_profile("4090"), resolve_profile("cpu")
     assert names(TrainConfig(distributed="auto", world_size=2), card) == ["ddp", "fsdp", "fsdp-offload"]
     assert names(TrainConfig(distributed="auto", world_size=2), cpu) == ["ddp", "fsdp"]
-    assert names(TrainConfig(distributed="fsdp", world_size=4, shard_group=2), card) == ["fsdp"]
+    assert names(TrainConfig(distributed="fsdp", world_size=4, shard_group=2), card) == ["fsdp", "fsdp-offload"]
     whole = TrainConfig(distributed="fsdp", world_size=4, shard_group=4)  # one group of every rank: plain FSDP
     assert names(whole, card) == ["fsdp", "fsdp-offload"]
     # GPUs filling two machines: FSDP within each machine, replicated across them (HSDP), planned too
     assert names(TrainConfig(distributed="auto", world_size=8), card, 4) == ["ddp", "fsdp", "fsdp/4", "fsdp-offload"]
     assert names(TrainConfig(distributed="auto", world_size=4), card, 4) == ["ddp", "fsdp", "fsdp-offload"]  # one
-    assert names(TrainConfig(distributed="fsdp", world_size=8, shard_group=2), card, 4) == ["fsdp"]  # the run's
-    hybrid = TrainConfig(distributed="fsdp", world_size=4, shard_group=2, cpu_offload=True)
-    with pytest.raises(ConfigError, match="--cpu-offload with --shard-group is not estimated yet"):
-        estimate(hybrid, device=card, seq_len=16)
+    assert names(TrainConfig(distributed="fsdp", world_size=8, shard_group=2), card, 4) == ["fsdp", "fsdp-offload"]
 
 
 def test_a_family_whose_traced_least_need_does_not_fit_is_not_traced_again(tmp_path: Path) -> None:

@@ -105,6 +105,10 @@ GRID = [
     ("llama7", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "cpu_offload": True,
                         "precision": "bf16-true", "effective_batch": 24, "micro_batch_size": 2},
      "5 of 7 blocks and 8 of 12 micro-steps"),  # bf16 on the host: each reduced shard cast on the card first
+    ("llama7", "4090", {"task": "causal-lm", "world_size": 4, "distributed": "fsdp", "shard_group": 2,
+                        "cpu_offload": True, "precision": "bf16", "effective_batch": 24, "micro_batch_size": 1,
+                        "reduce_every_micro_step": True},
+     "5 of 7 blocks and 8 of 12 micro-steps"),  # HSDP offloaded: all-reduced shards held until the backward ends
     ("llama12", "1080ti", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "fp16",
                            "checkpointing": "every-n"}, "8 of 12 blocks"),
     ("llama12", "4090", {"task": "causal-lm", "world_size": 2, "distributed": "fsdp", "precision": "bf16",

@@ -59,7 +59,7 @@ from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
 from memfit.memory.fake_answers import FakeAnswers
-from memfit.memory.host_shards import HostShards, offload_problems, offloaded
+from memfit.memory.host_shards import HostShards, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.monitor import timeline_record
 from memfit.memory.repeats import (
@@ -195,7 +195,6 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
                                                                force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
         problems.lines.extend(device_problems(config, profile.kind))
-    problems.lines.extend(offload_problems(config))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(architecture_problems(spec.hf_config))
@@ -411,7 +410,7 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                                               cpu_offload=config.cpu_offload, pin_memory=execute)
                 tracker.relabel_module(model)
                 if host:
-                    offloaded(tracker, model)
+                    offloaded(tracker, model, hybrid=distributed.hybrid(config.world_size, config.shard_group))
             run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
                       phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
                       cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,

@@ -13,14 +13,19 @@ given at the level every op passes, the tracker's dispatch:
 - a reduce-scatter's output (the gradient shards) moves to the host once reduced (``offloaded_gradients``);
   where it is reduced in another dtype than the shards' (``--precision bf16-true``: bf16 shards, gradients reduced
   in fp32), FSDP2 first casts it on the card: the reduced output stays there until the cast, and the cast moves;
+- HSDP (a shard group smaller than the ranks) first all-reduces the reduced output across the groups (one
+  reduced in an earlier micro-step without it stays on the card, to be added in): the all-reduced output's host
+  copy is made then, and FSDP2 keeps the card's until the backward ends (its all-reduce state, cleared when the
+  backward is finalised); cast to the shards' dtype, the cast moves, and the all-reduced output is freed then;
 - any other op whose tensors are on the host runs there (the optimizer's state and update, clipping, FSDP2's
   padding of a shard at its first forward): ``offloaded_optimizer`` in the optimizer's phase.
 
 Trade-off: the card-side copies follow FSDP2's order of work as torch 2.13 lays it out (the shard copies of a
 layer before its all-gather buffer without a cast: the same bytes live at the copy-in, a caching allocator may
-place them differently). The host figure counts the gradient shards with FSDP2's padding. HSDP (a shard group)
-keeps each layer's reduced gradients on the card until the next layer's all-reduce: not emulated, refused.
-Pinned or pageable host memory is the same bytes; fake tensors cannot pin, so the trace does not.
+place them differently). The host figure counts the gradient shards with FSDP2's padding. Under HSDP the card
+holds every layer's all-reduced gradient shards at the backward's end, as FSDP2 keeps them: offload spares the
+card the parameters and the optimizer, not those. Pinned or pageable host memory is the same bytes; fake
+tensors cannot pin, so the trace does not.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memfit.config import TrainConfig
 from memfit.errors import ConfigError
 from memfit.memory.tracker import StorageTracker, local_tensors
 
@@ -41,14 +45,21 @@ OPTIMIZER = "offloaded_optimizer"
 CARD_SIDE = ("aten::_to_copy", "fsdp::all_gather_copy_in")
 """Ops FSDP2 runs on the card with the shards' card copies (the cast to the compute dtype, its copy-in)."""
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
+ALL_REDUCE = "c10d::allreduce_"
 
 
 class HostShards:
     """The rules above, for ``tracker`` (which runs every op it sees through :meth:`dispatch` while
     :attr:`StorageTracker.host_shards` is set)."""
 
-    def __init__(self, tracker: StorageTracker) -> None:
+    def __init__(self, tracker: StorageTracker, *, hybrid: bool = False) -> None:
         self.tracker = tracker
+        self.hybrid = hybrid
+        """HSDP: each reduced output is all-reduced across the shard groups before it moves."""
+        self._all_reducing: set[int] = set()
+        """Reduced outputs on the card, to be all-reduced (HSDP)."""
+        self._held: list[int] = []
+        """All-reduced outputs copied to the host and kept on the card until the backward ends (HSDP)."""
         self._copies = itertools.count()
         self.reduced = 0
         """Reduce-scatters seen (their outputs moved to the host)."""
@@ -65,6 +76,10 @@ class HostShards:
     def dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """Run one op the tracker sees, on the side of the rules above, and count it there."""
         tracker = self.tracker
+        if self._held and not tracker.in_phase("backward"):  # the backward was finalised
+            for storage in self._held:
+                tracker.release(storage)
+            self._held = []
         copies = self.card_copies(func, (args, kwargs))
         try:
             out = func(*args, **kwargs)
@@ -79,18 +94,36 @@ class HostShards:
         finally:
             for key in copies:
                 tracker.release(key)
-        if func._schema.name == REDUCE_SCATTER:
+        name = func._schema.name
+        if name == REDUCE_SCATTER:
             self.reduced += 1
-            if args[0].dtype in self.gradient_dtypes or len(self.gradient_dtypes) != 1:
-                tracker.move_to_host([args[0]], GRADIENTS)  # the gradient shards move to the host
+            if self.hybrid:
+                self._all_reducing.add(args[0].untyped_storage()._cdata)
             else:
-                self._cast_pending.add(args[0].untyped_storage()._cdata)
-        elif self._cast_pending and func._schema.name == "aten::_to_copy":
+                self._reduced_on_card(args[0], held=False)
+        elif name == ALL_REDUCE and self._all_reducing:
+            for tensor in self._local(args[0]):
+                if tensor.untyped_storage()._cdata in self._all_reducing:
+                    self._all_reducing.discard(tensor.untyped_storage()._cdata)
+                    self._reduced_on_card(tensor, held=True)
+        elif self._cast_pending and name == "aten::_to_copy":
             pending = {tensor.untyped_storage()._cdata for tensor in self._local(args)} & self._cast_pending
             if pending:  # the cast gradient shards move to the host; the reduced output is freed on the card
                 self._cast_pending -= pending
                 tracker.move_to_host(leaves, GRADIENTS)
         return out
+
+    def _reduced_on_card(self, tensor: torch.Tensor, *, held: bool) -> None:
+        """A layer's reduced gradient shards, ready to leave the card: moved to the host, or copied there and
+        ``held`` on the card until the backward ends; cast first where the shards are in another dtype."""
+        key = tensor.untyped_storage()._cdata
+        if tensor.dtype not in self.gradient_dtypes and len(self.gradient_dtypes) == 1:
+            self._cast_pending.add(key)
+        elif held:
+            self.tracker.copy_to_host(tensor, GRADIENTS)
+            self._held.append(key)
+        else:
+            self.tracker.move_to_host([tensor], GRADIENTS)
 
     def check(self) -> None:
         """After a step: FSDP2 reduce-scattered through the op the rules know (another torch's FSDP2 may not,
@@ -133,19 +166,9 @@ class HostShards:
         return list(local_tensors(leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)))
 
 
-def offload_problems(config: TrainConfig) -> list[str]:
-    """What of ``--cpu-offload`` the estimate cannot emulate: HSDP's (a group smaller than the ranks)."""
-    from memfit.distributed import hybrid
-
-    if config.cpu_offload and hybrid(config.world_size, config.shard_group):
-        return ["--cpu-offload with --shard-group is not estimated yet (HSDP keeps each layer's reduced gradients on "
-                "the card until the next layer's all-reduce): estimate it without --cpu-offload; the card then holds "
-                "at most that figure"]
-    return []
-
-
-def offloaded(tracker: StorageTracker, model: torch.nn.Module) -> None:
-    """From now on ``tracker`` counts ``model``'s FSDP2 shards, their gradients and the optimizer on the host."""
-    shards = HostShards(tracker)
+def offloaded(tracker: StorageTracker, model: torch.nn.Module, *, hybrid: bool = False) -> None:
+    """From now on ``tracker`` counts ``model``'s FSDP2 shards, their gradients and the optimizer on the host;
+    ``hybrid``: sharded within groups (HSDP)."""
+    shards = HostShards(tracker, hybrid=hybrid)
     tracker.host_shards = shards
     shards.offload(model)
