@@ -13,7 +13,9 @@ What differs by construction, and why the figures need not match:
 - their runs use FSDP1 (flat parameters per wrapped layer, the LoRA layers wrapped apart); memfit trains and
   estimates FSDP2 (per-parameter sharding, one group per block);
 - their ``bf16`` keeps every weight, adapter and AdamW state in bf16 (no autocast); memfit's bf16 is mixed
-  precision (fp32 adapters and optimizer state, bf16 compute; 16-bit weights with FSDP are not planned);
+  precision (fp32 adapters and optimizer state, bf16 compute), so each row is estimated twice: in mixed
+  precision, and with ``--precision bf16-true`` (every weight, adapter, gradient and AdamW state in bf16, as
+  theirs; memfit adds its Kahan buffer, which their AdamW has not, so the bf16-true rows run without it);
 - the notes call the figure "peak memory" and say elsewhere that it is the peak *reserved*; both memfit's
   reserved and allocated peaks are printed (the CUDA context is not in either).
 
@@ -23,6 +25,7 @@ What differs by construction, and why the figures need not match:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import tempfile
@@ -67,6 +70,8 @@ def row(directory: Path, model: str, technique: str, offload: bool, batch: int, 
                          cpu_offload=offload, quantize_base="nf4" if technique == "QLoRA" else "none")
     started = time.perf_counter()
     result = estimate(config, device=profile, seq_len=BASE["max_length"])
+    bf16 = estimate(dataclasses.replace(config, precision="bf16-true", kahan=False), device=profile,
+                    seq_len=BASE["max_length"])
     return {"model": model, "technique": technique, "cpu_offload": offload, "batch_per_gpu": batch,
             "published_peak_gib": published,
             "memfit_reserved_gib": round(result.peak_reserved_bytes / GiB, 2),
@@ -74,17 +79,23 @@ def row(directory: Path, model: str, technique: str, offload: bool, batch: int, 
             "memfit_host_gib": round(result.host_bytes / GiB, 2), "peak_phase": result.peak_phase,
             "difference": round(result.peak_reserved_bytes / GiB / published - 1, 3),
             "breakdown_gib": {name: round(value / GiB, 2) for name, value in result.breakdown.items() if value},
+            "bf16_true_reserved_gib": round(bf16.peak_reserved_bytes / GiB, 2),
+            "bf16_true_allocated_gib": round(bf16.peak_bytes / GiB, 2),
+            "bf16_true_host_gib": round(bf16.host_bytes / GiB, 2),
+            "bf16_true_difference": round(bf16.peak_reserved_bytes / GiB / published - 1, 3),
             "trace": result.trace, "seconds": round(time.perf_counter() - started, 1)}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | technique | CPU offload | batch per GPU | Answer.AI, measured | memfit reserved | difference "
-             "| memfit allocated | memfit host per rank |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | technique | CPU offload | batch per GPU | Answer.AI, measured | memfit reserved, mixed | "
+             "difference | memfit reserved, all bf16 | difference | memfit allocated, all bf16 | "
+             "memfit host per rank, all bf16 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        host = f"{r['memfit_host_gib']:.1f} GiB" if r["memfit_host_gib"] else "-"
+        host = f"{r['bf16_true_host_gib']:.1f} GiB" if r["bf16_true_host_gib"] else "-"
         lines.append(f"| {r['model']} | {r['technique']} | {'yes' if r['cpu_offload'] else 'no'} | "
                      f"{r['batch_per_gpu']} | {r['published_peak_gib']:.2f} GiB | {r['memfit_reserved_gib']:.2f} GiB | "
-                     f"{r['difference']:+.0%} | {r['memfit_allocated_gib']:.2f} GiB | {host} |")
+                     f"{r['difference']:+.0%} | {r['bf16_true_reserved_gib']:.2f} GiB | "
+                     f"{r['bf16_true_difference']:+.0%} | {r['bf16_true_allocated_gib']:.2f} GiB | {host} |")
     return "\n".join(lines)
 
 

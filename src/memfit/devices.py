@@ -159,6 +159,13 @@ class DeviceProfile:
     tensor_cores: bool
     non_pytorch_bytes: int = 0
     """Memory the process uses outside PyTorch's allocator (CUDA context, cuBLAS/cuDNN workspaces)."""
+    communicator_bytes: int = 0
+    """Device memory NCCL takes outside PyTorch's allocator for each communicator a rank of a distributed run
+    holds (its buffers per channel and peer): :data:`NCCL_COMMUNICATOR_BYTES` on a card unless its profile
+    gives its own figure; none on a CPU (gloo keeps no device buffers)."""
+    communicator_measured: bool = False
+    """Whether :attr:`communicator_bytes` was measured on such a card (a profile file's own figure), or is
+    the stated, unmeasured constant."""
     op_overhead_s: float = GPU_OP_OVERHEAD_S
     """Host time per ATen op of an eager step (Python, dispatcher, kernel launch): what makes small
     micro-batches slow. The planner's cost model charges it for every op a step dispatches."""
@@ -198,6 +205,12 @@ class DeviceProfile:
 GiB = 1024**3
 TERA = 1e12
 CUDA_CONTEXT_BYTES = 400 * 1024**2  # typical CUDA context + cuBLAS workspace of a training process
+NCCL_COMMUNICATOR_BYTES = 688 * 1024**2
+"""NCCL's own device buffers for one communicator, outside PyTorch's allocator: a stated constant, unmeasured by
+memfit. The figure is the one reported in NVIDIA/nccl issue 964 (four A100s with NVLink: 688 MB for a group of
+more than two ranks after its first all-reduce, 544 MB for two). It varies with the NCCL version, the channels
+and peers NCCL sets up, the link and NCCL's environment (``NCCL_BUFFSIZE``, NVLink SHARP); a profile file's
+``communicator_bytes`` replaces it, and ``benchmarks/nccl_probe.py`` measures one card's one-rank communicator."""
 
 
 def _gpu(name: str, description: str, memory_gib: float, capability: tuple[int, int], fp32: float, fp16: float,
@@ -209,8 +222,8 @@ def _gpu(name: str, description: str, memory_gib: float, capability: tuple[int, 
     return DeviceProfile(name=name, description=description, memory_bytes=int(memory_gib * GiB),
                          compute_capability=capability, fp32_flops=fp32 * TERA, fp16_flops=fp16 * TERA,
                          bf16_flops=bf16 * TERA, memory_bandwidth=bandwidth_gbs * 1e9, tensor_cores=tensor_cores,
-                         non_pytorch_bytes=CUDA_CONTEXT_BYTES, link_bandwidth=link_gbs * 1e9,
-                         host_bandwidth=host_gbs * 1e9, node_bandwidth=node_gbs * 1e9)
+                         non_pytorch_bytes=CUDA_CONTEXT_BYTES, communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+                         link_bandwidth=link_gbs * 1e9, host_bandwidth=host_gbs * 1e9, node_bandwidth=node_gbs * 1e9)
 
 
 CPU_FP32 = 0.3 * TERA
@@ -303,7 +316,7 @@ def profile_for(device: Device, *, memory_bytes: int | None = None) -> DevicePro
     return DeviceProfile(name=device.name, description=device.name, memory_bytes=memory,
                          compute_capability=device.compute_capability, fp32_flops=0.0, fp16_flops=0.0,
                          bf16_flops=0.0, memory_bandwidth=0.0, tensor_cores=(device.compute_capability or (0, 0))
-                         >= (7, 0), non_pytorch_bytes=CUDA_CONTEXT_BYTES)
+                         >= (7, 0), non_pytorch_bytes=CUDA_CONTEXT_BYTES, communicator_bytes=NCCL_COMMUNICATOR_BYTES)
 
 
 CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
@@ -336,8 +349,8 @@ def _model_token(profile: DeviceProfile) -> str:
 def _profile_from_file(path: Path) -> DeviceProfile:
     raw = load_option_file(str(path), flag="--device", section=None)
     fields = {"name", "description", "memory_bytes", "compute_capability", "fp32_flops", "fp16_flops",
-              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "op_overhead_s",
-              "link_bandwidth", "host_bandwidth", "node_bandwidth"}
+              "bf16_flops", "memory_bandwidth", "tensor_cores", "non_pytorch_bytes", "communicator_bytes",
+              "op_overhead_s", "link_bandwidth", "host_bandwidth", "node_bandwidth"}
     unknown = sorted(set(raw) - fields)
     missing = sorted({"name", "memory_bytes", "fp32_flops"} - set(raw))
     if unknown or missing:
@@ -351,6 +364,8 @@ def _profile_from_file(path: Path) -> DeviceProfile:
         bf16_flops=float(raw.get("bf16_flops", 0.0)), memory_bandwidth=float(raw.get("memory_bandwidth", 0.0)),
         tensor_cores=bool(raw.get("tensor_cores", False)),
         non_pytorch_bytes=int(raw.get("non_pytorch_bytes", CUDA_CONTEXT_BYTES if capability else 0)),
+        communicator_bytes=int(raw.get("communicator_bytes", NCCL_COMMUNICATOR_BYTES if capability else 0)),
+        communicator_measured="communicator_bytes" in raw,
         op_overhead_s=float(raw.get("op_overhead_s", GPU_OP_OVERHEAD_S)),
         link_bandwidth=float(raw.get("link_bandwidth", PCIE3_BANDWIDTH)),
         host_bandwidth=float(raw.get("host_bandwidth", PCIE3_BANDWIDTH)),

@@ -233,6 +233,15 @@ def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu
     return model
 
 
+def communicators(strategy: str, world_size: int, shard_group: int | None) -> int:
+    """The NCCL communicators each rank's card holds in a run: none in one process; the default group (DDP's
+    all-reduce, FSDP over a mesh of every rank, memfit's own agreements); with HSDP also the mesh's two (across
+    the groups, within each)."""
+    if strategy == "none" or world_size == 1:
+        return 0
+    return 3 if strategy == "fsdp" and hybrid(world_size, shard_group) else 1
+
+
 def hybrid(world_size: int, shard_group: int | None) -> bool:
     """Whether ``shard_group`` makes FSDP2 hybrid (HSDP: groups that shard, replicated across each other); a
     group of every rank is plain FSDP."""

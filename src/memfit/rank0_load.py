@@ -128,15 +128,17 @@ def _allocate(model: nn.Module, device: torch.device, *, offload: bool) -> None:
 def _broadcast_parameters(model: nn.Module, full: dict[str, torch.Tensor], manifest: Manifest, *, main: bool,
                           device: torch.device) -> None:
     """Rank 0's parameters (``full``), each broadcast whole through ``device`` in the manifest's order, each
-    other rank copying its slice into its shard (a tied weight's every name once more: the same values)."""
+    other rank copying its slice into its shard; a tied weight once (every rank's model ties the same names)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     targets = _loadable(model, keep_vars=True)
     buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    done: set[int] = set()
     with torch.no_grad():
         for name, (shape, dtype) in manifest.items():
-            if name.startswith("buffer:") or name in buffers:
+            if name.startswith("buffer:") or name in buffers or id(targets[name]) in done:
                 continue
+            done.add(id(targets[name]))
             whole = full[name].to(device) if main else torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(whole, src=0)
             if main:  # its shards were made from these values

@@ -193,7 +193,12 @@ def print_estimate(console: Console, result: Any) -> None:
             table.add_row(name.replace("_", " "), format_bytes(value))
     table.add_row("[bold]peak allocated", f"[bold]{format_bytes(result.peak_bytes)}")
     table.add_row("peak reserved (approx.)", format_bytes(result.peak_reserved_bytes))
-    table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes))
+    table.add_row("outside PyTorch (CUDA context)", format_bytes(result.non_pytorch_bytes - result.communicator_bytes))
+    if result.communicators:
+        plural = "s" if result.communicators > 1 else ""
+        said = "" if result.communicator_measured else ", unmeasured"
+        table.add_row(f"outside PyTorch (NCCL, {result.communicators} communicator{plural}{said})",
+                      format_bytes(result.communicator_bytes))
     for name, value in (result.host_breakdown or {"offloaded_optimizer": result.host_bytes}).items():
         if value:  # at the host's peak, beside the card's
             table.add_row(f"host memory ({name.replace('_', ' ')})", format_bytes(value))

@@ -107,3 +107,39 @@ def test_auto_precision_on_cuda_follows_the_compute_capability() -> None:
     pascal = Device(kind="cuda", name="GTX 1080 Ti", compute_capability=(6, 1), total_memory_bytes=11 * GiB)
     assert resolve_precision("auto", ampere, force_cpu_fp16=False) == ("bf16", [])
     assert resolve_precision("auto", pascal, force_cpu_fp16=False) == ("fp16", [])
+
+
+def test_each_nccl_communicator_of_a_rank_is_a_stated_unmeasured_constant_outside_pytorch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank of a distributed run on a card holds NCCL's buffers outside PyTorch's allocator, per communicator:
+    the default group's (DDP, FSDP), and HSDP's mesh groups too; none in one process or on a CPU. The figure is
+    the profiles' stated constant, said unmeasured, until a profile file gives its own."""
+    from memfit import TrainConfig
+    from memfit.cli import main
+    from memfit.devices import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
+    from memfit.memory.estimate import estimate
+    from tests.conftest import TINY_LLAMA, write_model_dir
+
+    model = str(write_model_dir(tmp_path / "llama", {**TINY_LLAMA, "vocab_size": 64}))
+
+    def outside(device: str, **options: object) -> tuple[int, int, bool]:
+        config = TrainConfig(model=model, task="causal-lm", max_length=8, effective_batch=4, **options)  # type: ignore[arg-type]
+        result = estimate(config, device=device, seq_len=8)
+        assert result.total_bytes == result.peak_reserved_bytes + result.non_pytorch_bytes
+        assert result.non_pytorch_bytes - result.communicator_bytes == resolve_profile(device).non_pytorch_bytes
+        return result.communicators, result.communicator_bytes, result.communicator_measured
+
+    assert PROFILES["4090"].communicator_bytes == NCCL_COMMUNICATOR_BYTES and not PROFILES["4090"].communicator_measured
+    assert outside("4090") == (0, 0, False)
+    assert outside("4090", distributed="ddp", world_size=2) == (1, NCCL_COMMUNICATOR_BYTES, False)
+    assert outside("4090", distributed="fsdp", world_size=2) == (1, NCCL_COMMUNICATOR_BYTES, False)
+    assert outside("4090", distributed="fsdp", world_size=4, shard_group=2) == (3, 3 * NCCL_COMMUNICATOR_BYTES, False)
+    assert outside("cpu", distributed="fsdp", world_size=2) == (0, 0, False)
+    card = tmp_path / "measured.toml"
+    card.write_text('name = "measured"\nmemory_bytes = 25769803776\ncompute_capability = [8, 9]\n'
+                    'fp32_flops = 8e13\nbf16_flops = 1.6e14\ncommunicator_bytes = 314572800\n')
+    assert outside(str(card), distributed="fsdp", world_size=2) == (1, 314572800, True)
+    assert resolve_profile(str(card)).non_pytorch_bytes == CUDA_CONTEXT_BYTES
+    assert main(["estimate", "--model", model, "--task", "causal-lm", "--max-length", "8", "--device", "4090",
+                 "--distributed", "fsdp", "--world-size", "4", "--shard-group", "2", "--effective-batch", "4"]) == 0
+    assert "outside PyTorch (NCCL, 3 communicators, unmeasured)" in capsys.readouterr().out

@@ -78,24 +78,25 @@ def test_bf16_weights_offloaded_keep_their_shards_gradients_and_kahan_state_in_b
     assert host["offloaded_optimizer"] < fp32["offloaded_optimizer"]
 
 
-def test_hsdp_keeps_every_all_reduced_gradient_shard_on_the_card_until_the_backward_ends(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_hsdp_keeps_every_all_reduced_output_on_the_card_until_the_backward_ends(tmp_path: Path,
+                                                                                optimizer: str) -> None:
     """HSDP (4 ranks, groups of 2) with CPU offload: each layer's reduced gradients are all-reduced across the
-    groups, copied to the host and kept on the card by FSDP2 until the backward ends, so the backward's peak holds
-    the gradient shards of the layers done so far; plain FSDP over 2 ranks (the same shards) moves each to the host at once.
-    One micro-step per rank: no unsharded gradients accumulate on the card across micro-steps."""
+    groups and move to the host, while FSDP2 keeps the all-reduced output on the card until the backward ends:
+    the backward's peak is over plain FSDP's over 2 ranks (the same shards), and the optimizer's step is the same
+    on both, on the host (SGD's momentum as AdamW's states). One micro-step per rank: no unsharded gradients
+    accumulate on the card across micro-steps."""
     model = write_model_dir(tmp_path / "llama", {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 1024,
                                                  "num_hidden_layers": 8, "vocab_size": 64})
     config = TrainConfig(model=str(model), task="causal-lm", max_length=8, effective_batch=2, micro_batch_size=1,
-                         world_size=2, distributed="fsdp", cpu_offload=True, precision="fp32")
-    plain = estimate(config, device="4090", seq_len=8)
-    hybrid = estimate(dataclasses.replace(config, world_size=4, shard_group=2, effective_batch=4), device="4090",
-                      seq_len=8)
+                         world_size=2, distributed="fsdp", cpu_offload=True, precision="fp32", optimizer=optimizer)
+    hsdp = dataclasses.replace(config, world_size=4, shard_group=2, effective_batch=4)
+    plain, hybrid = estimate(config, device="4090", seq_len=8), estimate(hsdp, device="4090", seq_len=8)
     shards = padded_shard_bytes(model)
-    for result in (plain, hybrid):
-        assert result.host_breakdown["offloaded_parameters"] == result.host_breakdown["offloaded_gradients"] == shards
-    assert plain.breakdown["gradients"] == 0 < hybrid.breakdown["gradients"] <= shards  # held at the peak
+    assert hybrid.host_breakdown["offloaded_parameters"] == hybrid.host_breakdown["offloaded_gradients"] == shards
+    assert hybrid.host_breakdown == plain.host_breakdown
+    assert hybrid.phases["optimizer"] == plain.phases["optimizer"]
     assert hybrid.phases["backward"] > plain.phases["backward"]
-    exact = estimate(dataclasses.replace(config, world_size=4, shard_group=2, effective_batch=4), device="4090",
-                     seq_len=8, exact_trace=True)
+    exact = estimate(hsdp, device="4090", seq_len=8, exact_trace=True)
     assert (exact.peak_bytes, exact.phases, exact.host_breakdown) == (hybrid.peak_bytes, hybrid.phases,
                                                                      hybrid.host_breakdown)

@@ -558,6 +558,10 @@ def test_a_plan_on_several_cards_offloads_only_on_a_card() -> None:
     assert names(TrainConfig(distributed="auto", world_size=8), card, 4) == ["ddp", "fsdp", "fsdp/4", "fsdp-offload"]
     assert names(TrainConfig(distributed="auto", world_size=4), card, 4) == ["ddp", "fsdp", "fsdp-offload"]  # one
     assert names(TrainConfig(distributed="fsdp", world_size=8, shard_group=2), card, 4) == ["fsdp", "fsdp-offload"]
+    replicas = TrainConfig(distributed="fsdp", world_size=2, shard_group=1)  # groups of one: not emulated offloaded
+    assert names(replicas, card) == ["fsdp"]
+    with pytest.raises(ConfigError, match="--cpu-offload with --shard-group 1 is not estimated"):
+        estimate(dataclasses.replace(replicas, cpu_offload=True), device=card, seq_len=16)
 
 
 def test_a_family_whose_traced_least_need_does_not_fit_is_not_traced_again(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
 from memfit.memory.fake_answers import FakeAnswers
-from memfit.memory.host_shards import HostShards, offloaded
+from memfit.memory.host_shards import HostShards, offload_problems, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.monitor import timeline_record
 from memfit.memory.repeats import (
@@ -172,6 +172,12 @@ class Estimate(StepPeak):
     load_host_bytes: int = 0
     """Host memory of one machine while the ranks build the model, all on one machine
     (:func:`memfit.rank0_load.load_host_bytes`: rank 0 alone reads under FSDP)."""
+    communicators: int = 0
+    """The NCCL communicators a rank's card holds (:func:`memfit.distributed.communicators`; none on a CPU)."""
+    communicator_bytes: int = 0
+    """Their buffers, part of :attr:`non_pytorch_bytes` (the profile's per-communicator figure, unmeasured unless
+    :attr:`communicator_measured`)."""
+    communicator_measured: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -195,6 +201,7 @@ def prepare_trace(config: TrainConfig, *, device: str | DeviceProfile = "cpu", s
                                                                force_bf16=config.force_bf16)
         problems.lines.extend(precision_problems)
         problems.lines.extend(device_problems(config, profile.kind))
+    problems.lines.extend(offload_problems(config))
     if spec is not None:
         problems.lines.extend(depth_problems(config, spec))
         problems.lines.extend(architecture_problems(spec.hf_config))
@@ -268,10 +275,15 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     breakdown["temporaries"] += run.scaler_bytes
     breakdown["workspaces"] += run.workspace_bytes
     peak_reserved = run.allocator.peak_reserved_bytes if run.allocator is not None else peak
-    headroom = profile.memory_bytes - peak_reserved - profile.non_pytorch_bytes if profile.kind == "cuda" else None
+    communicators = distributed.communicators(strategy, config.world_size, config.shard_group) \
+        if profile.kind == "cuda" else 0
+    outside = profile.non_pytorch_bytes + communicators * profile.communicator_bytes
+    headroom = profile.memory_bytes - peak_reserved - outside if profile.kind == "cuda" else None
     phases = {name: value + extra for name, value in tracker.phase_peaks.items()}
     return Estimate(
-        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=profile.non_pytorch_bytes,
+        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=outside,
+        communicators=communicators, communicator_bytes=communicators * profile.communicator_bytes,
+        communicator_measured=profile.communicator_measured,
         breakdown=breakdown, phases=phases, peak_phase=max(phases, key=lambda name: phases[name]),
         device=profile.name, device_memory_bytes=profile.memory_bytes,
         fits=None if headroom is None else headroom >= 0, headroom_bytes=headroom,

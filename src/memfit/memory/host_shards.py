@@ -13,19 +13,23 @@ given at the level every op passes, the tracker's dispatch:
 - a reduce-scatter's output (the gradient shards) moves to the host once reduced (``offloaded_gradients``);
   where it is reduced in another dtype than the shards' (``--precision bf16-true``: bf16 shards, gradients reduced
   in fp32), FSDP2 first casts it on the card: the reduced output stays there until the cast, and the cast moves;
-- HSDP (a shard group smaller than the ranks) first all-reduces the reduced output across the groups (one
-  reduced in an earlier micro-step without it stays on the card, to be added in): the all-reduced output's host
-  copy is made then, and FSDP2 keeps the card's until the backward ends (its all-reduce state, cleared when the
-  backward is finalised); cast to the shards' dtype, the cast moves, and the all-reduced output is freed then;
+- HSDP (a shard group smaller than the ranks, of two or more) first all-reduces the reduced output across the
+  groups (one reduced in an earlier micro-step without it stays on the card, to be added in), and FSDP2 keeps
+  the all-reduced output on the card until the backward is finalised (its all-reduce state), cast or not: the
+  gradient shards move to the host at the all-reduce (or at the cast), and the card keeps a buffer of the
+  all-reduced output's bytes until the backward ends (``temporaries``);
 - any other op whose tensors are on the host runs there (the optimizer's state and update, clipping, FSDP2's
   padding of a shard at its first forward): ``offloaded_optimizer`` in the optimizer's phase.
 
 Trade-off: the card-side copies follow FSDP2's order of work as torch 2.13 lays it out (the shard copies of a
 layer before its all-gather buffer without a cast: the same bytes live at the copy-in, a caching allocator may
 place them differently). The host figure counts the gradient shards with FSDP2's padding. Under HSDP the card
-holds every layer's all-reduced gradient shards at the backward's end, as FSDP2 keeps them: offload spares the
-card the parameters and the optimizer, not those. Pinned or pageable host memory is the same bytes; fake
-tensors cannot pin, so the trace does not.
+holds every layer's all-reduced output at the backward's end, as FSDP2 keeps them: offload spares the card the
+parameters and the optimizer, not those; and with the step in backward the host counts every layer's gradient
+shards until the backward ends (in the trace they share the storage FSDP2 keeps), where a card run frees each
+after its update: the host figure is over by all but one layer's shards. Groups of one rank (``--shard-group
+1``) reduce without a reduce-scatter: not emulated, refused. Pinned or pageable host memory is the same bytes;
+fake tensors cannot pin, so the trace does not.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from memfit.config import TrainConfig
 from memfit.errors import ConfigError
 from memfit.memory.tracker import StorageTracker, local_tensors
 
@@ -58,8 +63,8 @@ class HostShards:
         """HSDP: each reduced output is all-reduced across the shard groups before it moves."""
         self._all_reducing: set[int] = set()
         """Reduced outputs on the card, to be all-reduced (HSDP)."""
-        self._held: list[int] = []
-        """All-reduced outputs copied to the host and kept on the card until the backward ends (HSDP)."""
+        self._held: list[tuple[str, int]] = []
+        """The card's buffers of all-reduced outputs, kept until the backward ends (HSDP)."""
         self._copies = itertools.count()
         self.reduced = 0
         """Reduce-scatters seen (their outputs moved to the host)."""
@@ -76,10 +81,12 @@ class HostShards:
     def dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """Run one op the tracker sees, on the side of the rules above, and count it there."""
         tracker = self.tracker
-        if self._held and not tracker.in_phase("backward"):  # the backward was finalised
-            for storage in self._held:
-                tracker.release(storage)
+        if not tracker.in_phase("backward") and (self._held or self._all_reducing or self._cast_pending):
+            for buffer in self._held:  # the backward was finalised
+                tracker.release(buffer)
             self._held = []
+            self._all_reducing.clear()  # partial outputs, added into the last micro-step's before its all-reduce
+            self._cast_pending.clear()
         copies = self.card_copies(func, (args, kwargs))
         try:
             out = func(*args, **kwargs)
@@ -114,16 +121,17 @@ class HostShards:
         return out
 
     def _reduced_on_card(self, tensor: torch.Tensor, *, held: bool) -> None:
-        """A layer's reduced gradient shards, ready to leave the card: moved to the host, or copied there and
-        ``held`` on the card until the backward ends; cast first where the shards are in another dtype."""
-        key = tensor.untyped_storage()._cdata
+        """A layer's reduced gradient shards, ready to leave the card: cast first where the shards are in another
+        dtype (the reduced output then stays counted on the card for as long as FSDP2 references it), else moved
+        to the host, and under HSDP (``held``) a buffer of its bytes kept on the card until the backward ends."""
         if tensor.dtype not in self.gradient_dtypes and len(self.gradient_dtypes) == 1:
-            self._cast_pending.add(key)
-        elif held:
-            self.tracker.copy_to_host(tensor, GRADIENTS)
-            self._held.append(key)
-        else:
-            self.tracker.move_to_host([tensor], GRADIENTS)
+            self._cast_pending.add(tensor.untyped_storage()._cdata)
+            return
+        self.tracker.move_to_host([tensor], GRADIENTS)
+        if held:  # first moved, then held: never counted twice on the card
+            buffer = ("all-reduce state", next(self._copies))
+            self.tracker.allocate(buffer, tensor.untyped_storage().nbytes(), "temporaries")
+            self._held.append(buffer)
 
     def check(self) -> None:
         """After a step: FSDP2 reduce-scattered through the op the rules know (another torch's FSDP2 may not,
@@ -164,6 +172,16 @@ class HostShards:
     @staticmethod
     def _local(args: Any) -> list[torch.Tensor]:
         return list(local_tensors(leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)))
+
+
+def offload_problems(config: TrainConfig) -> list[str]:
+    """What of ``--cpu-offload`` the estimate cannot emulate: groups of one rank, which reduce without a
+    reduce-scatter (each rank a whole replica, all-reduced as DDP does)."""
+    if config.cpu_offload and config.shard_group == 1 and config.world_size > 1:
+        return ["--cpu-offload with --shard-group 1 is not estimated (groups of one rank reduce without a "
+                "reduce-scatter, which the offload emulation follows): use a larger --shard-group, or estimate "
+                "without --cpu-offload; the card then holds at most that figure"]
+    return []
 
 
 def offloaded(tracker: StorageTracker, model: torch.nn.Module, *, hybrid: bool = False) -> None:

@@ -376,16 +376,6 @@ class StorageTracker(TorchDispatchMode):
                 self._host_allocate(key, storage.nbytes(), category)
                 weakref.finalize(storage, self._release_host, key)
 
-    def copy_to_host(self, tensor: torch.Tensor, category: str) -> None:
-        """Count a host copy of ``tensor``'s storage from now on, for as long as the storage lives; the device
-        keeps counting its own until it is freed or released."""
-        for inner in local_tensors([tensor]):
-            storage = inner.untyped_storage()
-            key = ("host copy", storage._cdata)
-            if key not in self._host_sizes:
-                self._host_allocate(key, storage.nbytes(), category)
-                weakref.finalize(storage, self._release_host, key)
-
     def _track_host(self, leaves: list[Any], category: str) -> None:
         for leaf in local_tensors(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)):
             if leaf.layout != torch.strided:

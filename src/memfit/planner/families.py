@@ -266,13 +266,14 @@ def strategies(base: TrainConfig, profile: DeviceProfile,
     then shard, then shard within each machine's GPUs and replicate across machines (HSDP, where ``per_node``
     GPUs fill several machines and the run names no shard group: only gradients cross the network), then
     offload (CUDA only; on CPU the shards already live in host memory; within the run's own shard groups where
-    it names them, not the machines' HSDP, which keeps every gradient shard on the card until the backward ends).
+    it names them, of two ranks or more, not the machines' HSDP, which keeps every all-reduced output on the card
+    until the backward ends).
     An 8-bit optimizer replicates: its step does not run on FSDP's sharded parameters."""
     if base.world_size == 1:
         return (("none", None),)
     if not runs_sharded(base.optimizer) or base.distributed == "ddp":
         return (("ddp", None),)
-    offload = (("fsdp-offload", None),) if profile.kind == "cuda" else ()
+    offload = (("fsdp-offload", None),) if profile.kind == "cuda" and base.shard_group != 1 else ()
     machines = (("fsdp", per_node),) if per_node is not None and per_node < base.world_size and \
         base.shard_group is None else ()
     if base.distributed == "fsdp" and base.cpu_offload and profile.kind == "cuda":

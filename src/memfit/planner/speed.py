@@ -89,8 +89,11 @@ def step_seconds(cost: StepCost, profile: DeviceProfile, precision: str, *, effe
             min(profile.link_bandwidth, profile.node_bandwidth / per_node)  # every rank of a machine sends its shard
         communication += 2 * _share(replicas) * gradients / group / across
     traffic /= group  # each rank steps its shard
-    if strategy == "fsdp-offload":
-        host = (gathered + scattered) / group / profile.host_bandwidth  # each reduced shard to the host
+    if strategy == "fsdp-offload":  # each rank's shards to the card for every gather, as the host keeps them
+        stored = 2 if precision == "bf16-true" else 4  # (fp32 under mixed precision, cast on the card); each
+        to_card = 2 * accumulation_steps * cost.parameters * stored  # reduced shard back, bf16-true's cast first
+        to_host = scattered // 2 if precision == "bf16-true" else scattered
+        host = (to_card + to_host) / group / profile.host_bandwidth
         traffic = traffic * profile.memory_bandwidth / HOST_MEMORY_BANDWIDTH
         communication += host
     return compute + overhead + traffic + communication
