@@ -233,11 +233,11 @@ def shard(model: nn.Module, mesh: Any, *, low_precision: torch.dtype | None, cpu
     return model
 
 
-def communicators(strategy: str, world_size: int, shard_group: int | None) -> int:
-    """The NCCL communicators each rank's card holds in a run: none in one process; the default group (DDP's
-    all-reduce, FSDP over a mesh of every rank, memfit's own agreements); with HSDP also the mesh's two (across
-    the groups, within each)."""
-    if strategy == "none" or world_size == 1:
+def communicators(strategy: str, world_size: int, shard_group: int | None, device_kind: str) -> int:
+    """The NCCL communicators each rank's card holds in a run: none in one process or on a CPU (gloo); the
+    default group (DDP's all-reduce, FSDP over a mesh of every rank, memfit's own agreements); with HSDP also the
+    mesh's two (across the groups, within each)."""
+    if strategy == "none" or world_size == 1 or device_kind != "cuda":
         return 0
     return 3 if strategy == "fsdp" and hybrid(world_size, shard_group) else 1
 

@@ -49,10 +49,10 @@ from memfit.errors import ConfigError
 from memfit.integrations import trainer_compat as compat
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
-from memfit.memory.estimate import CATEGORIES, StepPeak, label_gradients, label_optimizer_state
+from memfit.memory.estimate import CATEGORIES, StepPeak
 from memfit.memory.fake_answers import FakeAnswers
 from memfit.memory.mask_values import known_masks
-from memfit.memory.tracker import StorageTracker
+from memfit.memory.tracker import StorageTracker, label_gradients, label_optimizer_state
 from memfit.quiet import raised_loggers
 
 STEPS = 2

@@ -74,7 +74,7 @@ from memfit.memory.repeats import (
 from memfit.memory.shortened import Shortened, after_refusal, needs_spacer, shortened_trace
 from memfit.memory.synthetic import TRACE_PAD, encoder_decoder_batch, shape_problems, synthetic_batch
 from memfit.memory.trace_inputs import TraceInputs
-from memfit.memory.tracker import StorageTracker
+from memfit.memory.tracker import StorageTracker, label_gradients, label_optimizer_state
 from memfit.models import (
     ModelSpec,
     count_parameters,
@@ -88,7 +88,6 @@ from memfit.quiet import quiet_transformers, raised_loggers
 from memfit.rank0_load import load_host_bytes
 from memfit.step import PhaseTracker, accumulate_window, item_count, optimizer_step
 from memfit.support import architecture_problems, model_support
-from memfit.techniques.bf16_true import KAHAN_STATE
 from memfit.techniques.offload import OffloadedOptimizer
 from memfit.techniques.offload_activations import ActivationOffload
 from memfit.techniques.optim import build_scheduler
@@ -275,15 +274,13 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
     breakdown["temporaries"] += run.scaler_bytes
     breakdown["workspaces"] += run.workspace_bytes
     peak_reserved = run.allocator.peak_reserved_bytes if run.allocator is not None else peak
-    communicators = distributed.communicators(strategy, config.world_size, config.shard_group) \
-        if profile.kind == "cuda" else 0
+    communicators = distributed.communicators(strategy, config.world_size, config.shard_group, profile.kind)
     outside = profile.non_pytorch_bytes + communicators * profile.communicator_bytes
     headroom = profile.memory_bytes - peak_reserved - outside if profile.kind == "cuda" else None
     phases = {name: value + extra for name, value in tracker.phase_peaks.items()}
     return Estimate(
-        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=outside,
-        communicators=communicators, communicator_bytes=communicators * profile.communicator_bytes,
-        communicator_measured=profile.communicator_measured,
+        peak_bytes=peak, peak_reserved_bytes=peak_reserved, non_pytorch_bytes=outside, communicators=communicators,
+        communicator_bytes=outside - profile.non_pytorch_bytes, communicator_measured=profile.communicator_measured,
         breakdown=breakdown, phases=phases, peak_phase=max(phases, key=lambda name: phases[name]),
         device=profile.name, device_memory_bytes=profile.memory_bytes,
         fits=None if headroom is None else headroom >= 0, headroom_bytes=headroom,
@@ -294,11 +291,17 @@ def estimate(config: TrainConfig, *, device: str | DeviceProfile = "cpu", seq_le
         trace=run.how,
         trainable_parameters=run.trainable, parameters=run.parameters, world_size=config.world_size,
         distributed=strategy, traced_micro_steps=traced_micro_steps, traced_samples=traced_samples,
-        seconds=time.perf_counter() - started, host_bytes=tracker.host_peak_bytes,
-        host_breakdown={name: tracker.host_peak_breakdown.get(name, 0) for name in HOST_CATEGORIES},
-        load_host_bytes=load_host_bytes(config, trace.spec, trace.task, Precision(trace.precision, "cpu").low_dtype,
-                                        strategy=strategy, ranks=config.world_size if strategy != "none" else 1),
+        seconds=time.perf_counter() - started, **_host_figures(tracker, config, trace, strategy),
         timeline=None if events is None else timeline_record([(live + extra, phase) for live, phase in events]))
+
+
+def _host_figures(tracker: StorageTracker, config: TrainConfig, trace: TraceInputs, strategy: str) -> dict[str, Any]:
+    """The host's side of an estimate: the step's peak and what holds it, and the model's load."""
+    low = Precision(trace.precision, "cpu").low_dtype
+    return {"host_bytes": tracker.host_peak_bytes,
+            "host_breakdown": {name: tracker.host_peak_breakdown.get(name, 0) for name in HOST_CATEGORIES},
+            "load_host_bytes": load_host_bytes(config, trace.spec, trace.task, low, strategy=strategy,
+                                               ranks=config.world_size if strategy != "none" else 1)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -548,19 +551,6 @@ def traced_optimizer(model: torch.nn.Module, config: TrainConfig, tracker: Stora
     return optimizer
 
 
-def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimizer, *,
-                          host_step_counters: bool) -> None:
-    """Count the optimizer's state as ``optimizer_state``; on CUDA, Adam's step counters live on the host
-    unless the step is fused (or capturable), so then they are not device memory."""
-    state = [(key, value) for per_param in optimizer.state.values()
-             for key, value in per_param.items() if isinstance(value, torch.Tensor)]
-    tracker.relabel([value for key, value in state if key != KAHAN_STATE], "optimizer_state")
-    tracker.relabel([value for key, value in state if key == KAHAN_STATE], "kahan_compensation")
-    if host_step_counters:
-        tracker.forget([value for key, value in state if key == "step"])
-        # (a paged optimizer's big states were made outside the card's count: see run_steps)
-
-
 def strategy_for(config: TrainConfig, profile: DeviceProfile, budget_bytes: int | None = None) -> str:
     """The strategy a distributed config runs: ``auto`` is FSDP when one rank's replica does not fit
     ``budget_bytes`` (default: the card's memory; DDP where there is no fixed budget, as on CPU, and with an
@@ -602,10 +592,3 @@ def _persistent_bytes(model: torch.nn.Module, config: TrainConfig, precision: Pr
                        for key in range(SCALER_TENSORS if precision.uses_scaler else 0))
     workspace_bytes = cublas_workspace_bytes(model, emulation, allocator, recompute=config.checkpointing != "none")
     return scaler_bytes, workspace_bytes
-
-
-def label_gradients(tracker: StorageTracker, trained: list[torch.nn.Parameter]) -> None:
-    """Count a trained parameter's gradient as ``gradients`` from the moment it lands in ``.grad``."""
-    for parameter in trained:
-        parameter.register_post_accumulate_grad_hook(
-            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)

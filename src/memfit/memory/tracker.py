@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from memfit.techniques.bf16_true import KAHAN_STATE
+
 DEVICE_QUERY = torch.ops.prim.device.default
 """``tensor.device`` of a tensor subclass (a fake tensor) goes through dispatch, about 70 % of what a fake
 step dispatches (autograd's engine and the optimizer's grouping ask it per tensor); a real step never
@@ -451,3 +453,23 @@ class StorageTracker(TorchDispatchMode):
         self.peak_bytes = self.live_bytes
         self.peak_breakdown = dict(self.category_bytes)
         self.phase_peaks = {}
+
+
+def label_optimizer_state(tracker: StorageTracker, optimizer: torch.optim.Optimizer, *,
+                          host_step_counters: bool) -> None:
+    """Count the optimizer's state as ``optimizer_state``; on CUDA, Adam's step counters live on the host
+    unless the step is fused (or capturable), so then they are not device memory."""
+    state = [(key, value) for per_param in optimizer.state.values()
+             for key, value in per_param.items() if isinstance(value, torch.Tensor)]
+    tracker.relabel([value for key, value in state if key != KAHAN_STATE], "optimizer_state")
+    tracker.relabel([value for key, value in state if key == KAHAN_STATE], "kahan_compensation")
+    if host_step_counters:
+        tracker.forget([value for key, value in state if key == "step"])
+        # (a paged optimizer's big states were made outside the card's count: see run_steps)
+
+
+def label_gradients(tracker: StorageTracker, trained: list[torch.nn.Parameter]) -> None:
+    """Count a trained parameter's gradient as ``gradients`` from the moment it lands in ``.grad``."""
+    for parameter in trained:
+        parameter.register_post_accumulate_grad_hook(
+            lambda p: tracker.relabel([p.grad], "gradients") if p.grad is not None else None)
