@@ -115,7 +115,7 @@ class HostShards:
                     self._reduced_on_card(tensor, held=True)
         elif self._cast_pending and name == "aten::_to_copy":
             pending = {tensor.untyped_storage()._cdata for tensor in self._local(args)} & self._cast_pending
-            if pending:  # the cast gradient shards move to the host; the reduced output is freed on the card
+            if pending:  # the cast gradient shards move to the host; the reduced output is freed once FSDP2 drops it
                 self._cast_pending -= pending
                 tracker.move_to_host(leaves, GRADIENTS)
         return out
