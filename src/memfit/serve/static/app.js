@@ -12,7 +12,7 @@ const NAMES = {
   parameters: "parameters", frozen_parameters: "frozen parameters", quantized_weights: "4-bit weights",
   gradients: "gradients", optimizer_state: "optimizer state", kahan_compensation: "Kahan compensation",
   activations: "activations", logits_and_loss: "logits and loss", temporaries: "temporaries", inputs: "inputs",
-  workspaces: "workspaces", allocator_reserve: "allocator reserve", non_pytorch: "CUDA context (not PyTorch's)",
+  workspaces: "workspaces", allocator_reserve: "allocator reserve", non_pytorch: "outside PyTorch (CUDA context; NCCL on several GPUs)",
 };
 const PHASE_COLORS = { forward: "#e8f5e9", backward: "#fff3e0", optimizer: "#fde7e9", other: "#f4f5f7" };
 const SVG = "http://www.w3.org/2000/svg";
@@ -295,7 +295,7 @@ function drawTimeline(memory) {
   }
   const line = points.map((bytes, index) => `${x(index).toFixed(1)},${y(bytes).toFixed(1)}`).join(" ");
   chart.append(svg("polyline", { points: line, fill: "none", stroke: "#2358c4", "stroke-width": 1.5 }));
-  const label = `usable less the CUDA context: ${formatBytes(room)}`;
+  const label = `usable less what is outside PyTorch: ${formatBytes(room)}`;
   if (room <= high) {
     chart.append(svg("line", { x1: left, x2: width - right, y1: y(room), y2: y(room), stroke: "#b3261e",
       "stroke-dasharray": "4 3" }));
@@ -311,7 +311,7 @@ function drawTimeline(memory) {
   document.getElementById("timeline-note").textContent =
     `Allocated bytes after each of ${memory.timeline.events.toLocaleString()} allocations and frees of the ` +
     `traced steps (the first creates the optimizer's state), peak ${formatBytes(memory.timeline.peak_bytes)}; ` +
-    "the allocator's reserve and the CUDA context come on top.";
+    "the allocator's reserve and what is outside PyTorch (the CUDA context, NCCL's buffers) come on top.";
 }
 
 // --- wiring -------------------------------------------------------------------------------------------------
