@@ -35,15 +35,15 @@ def main(out: Path) -> None:
         build(rank == 0),
         lambda m: distributed.shard(m, mesh, low_precision=None, cpu_offload=True, pin_memory=False),
         main=rank == 0, device=torch.device("cpu"), offload=True)
-    reference = dict(build(True).named_parameters())
+    whole = build(True)
+    reference, reference_buffers = dict(whole.named_parameters()), dict(whole.named_buffers())
     equal = {}
     for name, parameter in model.named_parameters():
         assert isinstance(parameter, DTensor)
         part = distribute_tensor(reference[name].detach(), parameter.device_mesh, parameter.placements,
                                  src_data_rank=None)
         equal[name] = torch.equal(parameter.to_local(), part.to_local())
-    buffers = {name: torch.equal(buffer, dict(build(True).named_buffers())[name])
-               for name, buffer in model.named_buffers()}
+    buffers = {name: torch.equal(buffer, reference_buffers[name]) for name, buffer in model.named_buffers()}
     (out / f"rank{rank}.json").write_text(json.dumps({"parameters": equal, "buffers": buffers}))
     dist.destroy_process_group()
 

@@ -67,7 +67,7 @@ class HostShards:
         """The card's buffers of all-reduced outputs, kept until the backward ends (HSDP)."""
         self._copies = itertools.count()
         self.reduced = 0
-        """Reduce-scatters seen (their outputs moved to the host)."""
+        """Reduce-scatters seen (each output leaving the card by the rules above)."""
         self.gradient_dtypes: set[torch.dtype] = set()
         """The trained shards' dtypes: the gradient shards' a reduced output is cast to, if another."""
         self._cast_pending: set[int] = set()
