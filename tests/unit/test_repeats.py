@@ -14,6 +14,7 @@ import memfit.memory.repeats as repeats_module
 from memfit import TrainConfig
 from memfit.memory import ddp_buckets, shortened
 from memfit.memory.estimate import Estimate, estimate, prepare_trace
+from memfit.memory.fake_memo import unmemoised
 from memfit.memory.repeats import BLOCK, NotRepeating, Repeat, expand
 from tests.conftest import TINY_BERT, TINY_LLAMA, TINY_MOE, TINY_VIT, write_model_dir
 
@@ -23,8 +24,10 @@ FIELDS = ("peak_bytes", "peak_reserved_bytes", "breakdown", "phases", "peak_phas
 
 
 def both(model: Path, device: str, **options: Any) -> tuple[Estimate, Estimate]:
+    """(the full trace, every op through fake tensors; the fast one: shortened, repeated ops memoised)."""
     config = TrainConfig(model=str(model), max_length=16, **options)
-    full = estimate(config, device=device, seq_len=16, count_flops=True, exact_trace=True)
+    with unmemoised():
+        full = estimate(config, device=device, seq_len=16, count_flops=True, exact_trace=True)
     fast = estimate(config, device=device, seq_len=16, count_flops=True)
     return full, fast
 
