@@ -288,10 +288,7 @@ def build_with_techniques(spec: ModelSpec, config: TrainConfig, *, label_names: 
                                   task=task, weights=weights)
     if not loads_as_saved(config, low_dtype):
         settle_as_stored(model, None)  # a checkpoint (or a config) in bf16, a Hub LLM's: the fp32 weights trained
-    if config.packing:  # transformers reads packed positions only in a forward without a KV cache
-        disable_cache(model)
-    if is_encoder_decoder(spec) and task != "causal-lm":  # a training forward needs no KV cache: an encoder-
-        disable_cache(model)  # decoder turns it off when handed labels, which memfit's loss never hands it
+    disable_cache(model)  # a training forward needs no KV cache (see disable_cache)
     quantize_base(model, config.quantize_base, low_dtype or torch.float32)
     if config.quantize_base == "nf4":  # a mixture-of-experts block's stacked expert weights too
         quantize_experts(model, low_dtype or torch.float32)

@@ -26,6 +26,7 @@ from memfit import checkpointer, checkpoints, distributed, rank0_load, streamed_
 from memfit.build import Prepared, build_base_for, build_model_for, build_optimizer_for
 from memfit.config import TrainConfig
 from memfit.data.batches import window_order
+from memfit.data.packing import cache_as_loaded
 from memfit.errors import TrainingError
 from memfit.memory.estimate import resolve_strategy
 from memfit.memory.monitor import PHASES, Monitor, StepTimeline
@@ -317,7 +318,12 @@ def finish(run: Run, started: float) -> Summary:
 def save_final_model(run: Run) -> bool:
     """The fine-tuned model as a Hugging Face directory (distributed, a collective): FSDP's full fine-tuning
     written from the shards (:mod:`memfit.streamed_export`; returns ``True``), else gathered to rank 0 (an
-    adapter alone, its base not gathered)."""
+    adapter alone, its base not gathered). Its config has the KV-cache setting it was loaded with."""
+    with cache_as_loaded(distributed.unwrap(run.model), run.prepared.spec.hf_config):
+        return _save_final_model(run)
+
+
+def _save_final_model(run: Run) -> bool:
     adapters = bool(run.config.lora_rank) and run.world.strategy == "fsdp"  # saved alone: the base not gathered
     from_shards = run.world.strategy == "fsdp" and not adapters and streamed_export.streams(
         run.model, main=run.world.is_main)

@@ -31,6 +31,7 @@ def test_a_chat_run_reports_accuracy_before_and_after_and_saves_a_causal_lm(tmp_
     assert evaluations[-1]["loss"] < evaluations[0]["loss"]  # it learned the completions
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out / "model"))
     assert loaded.config.architectures == ["LlamaForCausalLM"]
+    assert loaded.config.use_cache  # trained without a KV cache, saved for inference with one, as loaded
     assert (out / "model" / "generation_config.json").is_file()
     generated = memfit("generate", str(out), "--prompt", "review : the film is great . verdict ?",
                        "--max-new-tokens", "2")

@@ -57,10 +57,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen3_moe": write_model_dir(root / "moe", {**TINY_LLAMA, **TINY_MOE["qwen3_moe"], **deep}),
         "deepseek_v3": write_model_dir(root / "ds", {**TINY_LLAMA, **TINY_MOE["deepseek_v3"], **deep,
                                                       "num_hidden_layers": 7}),
-        "gemma2": write_model_dir(root / "gemma2", {
+        "gemma2": write_model_dir(root / "gemma2", {  # sliding and full attention alternate: groups of two
             "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 32, "head_dim": 8,
             "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
-            **deep, "layer_types": ["sliding_attention", "full_attention"] * 3}),
+            **deep, "num_hidden_layers": 12, "layer_types": ["sliding_attention", "full_attention"] * 6}),
+        "gpt_oss": write_model_dir(root / "gpt_oss", {**TINY_LLAMA, **TINY_MOE["gpt_oss"], **deep,
+                                                      "num_hidden_layers": 12,
+                                                      "layer_types": ["sliding_attention", "full_attention"] * 6}),
+        "mistral": write_model_dir(root / "mistral", {  # every layer's attention slides
+            **TINY_LLAMA, **deep, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": 8, "head_dim": 8}),
     }
 
 
@@ -129,7 +135,12 @@ GRID = [
     ("qwen3_moe", "4090", {"task": "causal-lm", "precision": "bf16", "effective_batch": 10, "micro_batch_size": 2},
      "4 of 6 blocks and 8 of 10 micro-steps"),
     ("deepseek_v3", "cpu", {"task": "causal-lm"}, "5 of 7 blocks"),  # its first block is dense: one more
-    ("gemma2", "4090", {"task": "causal-lm", "precision": "bf16"}, "full trace: the model's blocks alternate"),
+    ("gemma2", "4090", {"task": "causal-lm", "precision": "bf16"}, "6 of 12 blocks"),
+    ("gemma2", "1080ti", {"task": "causal-lm", "precision": "fp16", "checkpointing": "full", "loss_chunk": 4},
+     "8 of 12 blocks"),  # a spacer of two blocks: the first full-attention block's recompute differs
+    ("gpt_oss", "4090", {"task": "causal-lm", "precision": "bf16", "effective_batch": 10, "micro_batch_size": 2},
+     "6 of 12 blocks and 8 of 10 micro-steps"),
+    ("mistral", "cpu", {"task": "causal-lm"}, "4 of 6 blocks"),  # no KV cache: no window made per layer
 ]
 
 

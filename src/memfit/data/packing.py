@@ -29,7 +29,8 @@ belongs to a whole text).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,8 +134,27 @@ def takes_position_ids(hf_config: Any) -> bool:
 
 
 def disable_cache(model: nn.Module) -> None:
-    """Train without a KV cache: transformers looks for packed sequences in ``position_ids`` only when the
-    forward has no cache (``masking_utils._preprocess_mask_arguments``), and a training step needs none."""
+    """Train without a KV cache: a training step reads no cache, and a decoder that makes one keeps each
+    layer's keys and values in it and makes per-layer objects before its first block (a sliding-window layer's
+    window as a tensor), which a trace of fewer blocks would not make as often. transformers also looks for
+    packed sequences in ``position_ids`` only when the forward has no cache
+    (``masking_utils._preprocess_mask_arguments``). The saved model's config keeps the setting it was loaded
+    with (:func:`cache_as_loaded`)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
+
+
+@contextlib.contextmanager
+def cache_as_loaded(model: nn.Module, loaded: Any) -> Iterator[None]:
+    """Inside, ``model``'s config has the KV-cache setting of ``loaded`` (the config it was built from): a
+    fine-tuned model is saved for inference as it was loaded."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "use_cache") or not hasattr(loaded, "use_cache"):
+        yield
+        return
+    training, config.use_cache = config.use_cache, loaded.use_cache
+    try:
+        yield
+    finally:
+        config.use_cache = training

@@ -4,15 +4,16 @@ A step is replayed at full depth from a copy of ``k`` blocks (:mod:`memfit.memor
 model's blocks really repeat: every block of the full-depth model must have the structure (module classes,
 their settings, parameter shapes) of the block of the copy it is replayed from. The structure is read from
 the model built on the ``meta`` device (no memory, about a second for an 8B model; kept per config). Blocks
-checkpointed every N-th repeat with a period of N blocks; a different first block (DeepSeek's dense first
+checkpointed every N-th repeat with a period of N blocks, blocks that alternate in kind (Gemma-2's and
+gpt-oss's sliding and full attention) with a period of two (the least common multiple of the two where both
+hold); a different first block (DeepSeek's dense first
 layers) moves the repeating part up. The copy is as shallow as the record allows: the first block, the group
 copied and the group before it, one block after. Where a block's frees refer to its lower neighbour's storages
 and the first block allocates differently in a way the record's places cannot line up (QLoRA's first block, which
 allocates more before its ordinary work, can: :func:`memfit.memory.repeats.expand`), the group before must sit on
 an ordinary block: the copy then keeps a *spacer*, one period more (:func:`memfit.memory.shortened.needs_spacer`
 remembers which runs needed it). With the top K blocks trained and the rest frozen, each of the two runs is
-cut and copied on its own (two groups). Blocks that alternate in kind (Gemma-2's and gpt-oss's sliding and full
-attention) are traced in full.
+cut and copied on its own (two groups), where every block is of one kind.
 """
 
 from __future__ import annotations
@@ -71,17 +72,17 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1,
     full = _signatures(spec, task)
     if full is None or len(full) != spec.num_layers:
         return "the model's repeated blocks are not its layers"
-    structure = _period(full, 1)
+    every = config.checkpoint_every if config.checkpointing == "every-n" else 1
+    structure = _period(full, every)
     if structure is None:
         return "the model's blocks do not repeat"
-    if structure[1] > 1:  # checked on Gemma-2, but gpt-oss's alternating blocks replay 1 KiB short: not yet
-        return "the model's blocks alternate in kind"
-    every = config.checkpoint_every if config.checkpointing == "every-n" else 1
     if config.train_top_layers:
+        if structure[1] > 1:
+            return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
         cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every, tail=tail,
                             spacer=spacer)
     else:
-        cut = _uniform(spec.num_layers, offset=structure[0], period=every, tail=tail, spacer=spacer)
+        cut = _uniform(spec.num_layers, offset=structure[0], period=structure[1], tail=tail, spacer=spacer)
     if not isinstance(cut, DepthCut):
         return cut
     short = _signatures(with_depth(spec, cut.layers), task)
