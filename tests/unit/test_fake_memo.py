@@ -113,8 +113,8 @@ def test_a_trace_with_the_memo_equals_the_trace_without_it_and_the_memo_answers_
     answered: list[FakeAnswers] = []
     original = FakeAnswers.__init__
 
-    def kept(self: FakeAnswers, *, cuda: bool = False) -> None:
-        original(self, cuda=cuda)
+    def kept(self: FakeAnswers, *, cuda: bool = False, memo: bool = False) -> None:
+        original(self, cuda=cuda, memo=memo)
         answered.append(self)
 
     monkeypatch.setattr(FakeAnswers, "__init__", kept)
@@ -127,3 +127,16 @@ def test_a_trace_with_the_memo_equals_the_trace_without_it_and_the_memo_answers_
 
 def test_this_torch_makes_fake_tensors_as_the_memo_does() -> None:
     assert fake_memo._usable()  # else every trace runs unmemoised: correct, and about twice as slow
+
+
+def test_only_the_training_step_is_memoised_not_the_models_build() -> None:
+    answers = FakeAnswers(memo=True)
+    with FakeTensorMode(), answers:
+        a = torch.empty(2, 3)
+        for _ in range(2):
+            torch.mm(a, a.t())  # as a build runs it: through fake tensors
+        assert answers.memo is None
+        with answers.memoising():
+            for _ in range(2):
+                torch.mm(a, a.t())
+    assert answers.memo is not None and answers.memo.hits >= 2  # the transpose and the product, once each

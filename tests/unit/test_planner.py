@@ -619,3 +619,38 @@ def test_an_fsdp_split_without_accumulation_is_traced_where_the_accumulating_lin
     made = request.run()
     assert made.chosen is not None and (made.chosen.micro_batch_size, made.chosen.accumulation_steps) == (2, 1)
     assert made.chosen.exact and made.chosen.predicted_peak_bytes == whole.total_bytes
+
+
+def test_a_family_checkpointing_less_than_a_least_need_near_the_budget_is_traced_at_micro_batch_1_first(
+        tmp_path: Path) -> None:
+    """Where the fully checkpointed least need takes half the budget or more, a family that checkpoints less is
+    traced at micro-batch 1 first: over the budget there, that one trace shows no split fits (its line's two
+    points are not traced). Far below the budget, its line is traced as before, at its largest micro-batches."""
+    from memfit.devices import resolve_profile
+    from memfit.planner.families import Family
+    from memfit.planner.search import LOW_FIRST, Search
+    from tests.conftest import write_tiny_llm
+
+    config = TrainConfig(model=str(write_tiny_llm(tmp_path / "llm")), max_length=64, effective_batch=8,
+                         task="causal-lm")
+    leanest, plain = (Family(precision="fp32", checkpointing=c, kernels="fused") for c in ("full", "none"))
+    def search(usable: int) -> Search:
+        return Search(config, resolve_profile("cpu"), usable_bytes=usable, seq_len=64, image_size=None,
+                      num_labels=2, cache={})
+
+    probe = search(1 << 40)
+    least, plain_least = (probe.exact_candidate(f, 1).predicted_peak_bytes or 0 for f in (leanest, plain))
+    assert least < plain_least and least >= LOW_FIRST * (plain_least - 1)
+    tight = search(plain_least - 1)
+    tight.exact_candidate(leanest, 1)
+    assert tight.low_first(plain) and tight.fit_requests(plain) == [tight.exact_request(plain, 1)]
+    tight.fit(plain)
+    assert len(tight.cache) == 2  # the leanest's least need and its own: no line point
+    assert [micro for family, micro in tight.candidates if family == plain] == [1]
+    assert tight.candidates[(plain, 1)].fits is False
+    roomy = search(int(least / LOW_FIRST) + 1)
+    roomy.exact_candidate(leanest, 1)
+    assert not roomy.low_first(plain)
+    assert roomy.fit_requests(plain) == [roomy.line_request(plain, micro) for micro in (4, 2)]
+    roomy.fit(plain)
+    assert (plain, 1, True, False) not in roomy.traces and roomy.lines[plain].low.micro_batch_size == 2

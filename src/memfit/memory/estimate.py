@@ -59,6 +59,7 @@ from memfit.memory.build_values import BuildValuesFakeMode, no_init_weights
 from memfit.memory.ddp_buckets import DdpBuckets
 from memfit.memory.emulation import CudaEmulation, cublas_workspace_bytes
 from memfit.memory.fake_answers import FakeAnswers
+from memfit.memory.fake_memo import memo_enabled
 from memfit.memory.host_shards import HostShards, offload_problems, offloaded
 from memfit.memory.mask_values import known_eos, known_masks
 from memfit.memory.monitor import timeline_record
@@ -398,9 +399,9 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                    for window in windows]
     world = distributed.fake_world(config.world_size, config.shard_group) if strategy == "fsdp" else \
         contextlib.nullcontext()
+    answers = None if execute else FakeAnswers(cuda=profile.kind == "cuda", memo=memo_enabled())
     with world as mesh, fake_mode or contextlib.nullcontext(), (
-            contextlib.nullcontext() if execute else no_init_weights()), (
-            contextlib.nullcontext() if execute else FakeAnswers(cuda=profile.kind == "cuda")):
+            contextlib.nullcontext() if execute else no_init_weights()), answers or contextlib.nullcontext():
         build = functools.partial(build_with_techniques, trace.spec, config,
                                   label_names=[str(i) for i in range(num_labels)], pad_token_id=TRACE_PAD,
                                   task=trace.task, low_dtype=precision.low_dtype,
@@ -426,10 +427,11 @@ def _trace_steps(config: TrainConfig, trace: TraceInputs, strategy: str, *, exec
                 tracker.relabel_module(model)
                 if host:
                     offloaded(tracker, model, hybrid=distributed.hybrid(config.world_size, config.shard_group))
-            run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
-                      phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
-                      cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
-                      persistent_grads=strategy == "ddp")
+            with answers.memoising() if answers is not None else contextlib.nullcontext():  # the step's ops
+                run_steps(model, config, precision, windows, trace.window_items, device=torch.device("cpu"),
+                          phases=tracker, tracker=tracker, read=read_values if execute else assume_finite,
+                          cuda=profile.kind == "cuda", world_size=config.world_size if strategy == "fsdp" else 1,
+                          persistent_grads=strategy == "ddp")
             if isinstance(tracker.host_shards, HostShards):
                 tracker.host_shards.check()
     attention_flops = emulation.attention_flops if emulation is not None else 0

@@ -11,12 +11,15 @@ the input itself (an in-place op). The first time a key is seen the op runs thro
 is checked for being one the memo can repeat; an answer that is not (a constant's value, an output aliasing
 another output, a storage larger than its tensor) is never memoised.
 
+It answers the training step's ops only (:meth:`memfit.memory.fake_answers.FakeAnswers.memoising`): a model's
+build runs each of its ops once, and reads values fake mode keeps as constants while it builds.
+
 Trade-off: none in what is counted. The outputs have the metadata and the storages (fresh or shared) fake
 tensors gave the first time, so the tracker counts the same bytes and the same ops; tests trace with and
 without it and compare every figure. What passes through untouched: ops outside ``aten``, ops whose output
 shape depends on values (``dynamic_output_shape``, ``data_dependent_output``), ops that change an input's
 metadata in place (``inplace_view``, ``resize_``, ``set_``), any argument that is not a plain fake tensor of
-the trace's mode (a real tensor while a model is built, a DTensor, a quantized parameter subclass) or a plain
+the trace's mode (a real tensor, a DTensor, a quantized parameter subclass) or a plain
 Python value, fake tensors carrying constants, and answers that are not tensors or ``None``.
 
 Torch internals used, all here (checked against torch 2.13): ``FakeTensor(fake_mode, meta_tensor, device)``,

@@ -28,6 +28,9 @@ BAND = 0.10
 """A fitted setup this close above the usable budget is traced exactly before it is rejected."""
 SMALLEST_BAND = 0.10
 """Families whose line at micro-batch 1 is this close above the lowest are traced there too."""
+LOW_FIRST = 0.5
+"""A family checkpointing less than one whose least need (micro-batch 1, traced exactly) takes at least this
+share of the usable budget is traced at its own least need first (:meth:`Search.low_first`)."""
 Request = tuple[Family, int, bool, bool]
 """A trace the search asks for: (family, micro-batch, accumulate, lean)."""
 
@@ -247,6 +250,8 @@ class Search:
         if not any(math.ceil(self.effective / micro) > 1 for micro in self.micros):
             return [self.exact_request(family, 1)]
         least = self.cache.get(self._request(family, 1, accumulate=True, lean=False)[1])
+        if least is None and self.low_first(family):
+            return [self.exact_request(family, 1)]
         if least is None and family.reduce_every:  # traced first (:meth:`fit`), fully checkpointed first
             leanest = self._leanest(family)
             known = self._cached(leanest, 1, accumulate=True, lean=False)
@@ -285,6 +290,8 @@ class Search:
                 return
             self.exact(family, 1)
         least = self.traced(family, 1, accumulate=True) if accumulated else None
+        if least is None and accumulated and self.low_first(family):
+            least = self.exact(family, 1)
         if least is not None and self.least_decides(family):  # a stage's least need: when it does not fit, none does
             self.lines[family], self.costs[family] = _Line(least, None), self.step_cost(family, least)
             if not self.predict(family, 1).fits:  # a larger micro-batch keeps more
@@ -482,6 +489,21 @@ class Search:
             if candidate is not None and candidate.exact and candidate.fits is False:
                 return candidate
         return None
+
+    def low_first(self, family: Family) -> bool:
+        """Whether :meth:`fit` traces ``family`` at its least need (micro-batch 1, exactly) before its line: where
+        the same family checkpointing more needs at least :data:`LOW_FIRST` of the budget there, keeping more of
+        a micro-batch often does not fit even at micro-batch 1, and then that one trace shows no split fits
+        (its line's two points would have been traced for nothing). Where it does fit, it is the line's low
+        point: the line costs one trace more only by its fourth micro-step."""
+        if not self.least_decides(family) or family.reduce_every or family.optimizer_in_backward:
+            return False
+        for checkpointing in CHECKPOINTING[CHECKPOINTING.index(family.checkpointing) + 1:]:
+            leaner = self.candidates.get((dataclasses.replace(family, checkpointing=checkpointing), 1))
+            if leaner is not None and leaner.exact and \
+                    (leaner.predicted_peak_bytes or 0) >= LOW_FIRST * self.usable:
+                return True
+        return False
 
     @staticmethod
     def _leanest(family: Family) -> Family:
