@@ -77,9 +77,15 @@ def test_a_key_is_what_the_outputs_follow_from(memo: FakeMemo) -> None:
         assert strided.stride() == b.t().stride()  # clone keeps the input's strides
         contiguous = memo(aten.clone.default, (b,), {"memory_format": torch.preserve_format})
         assert contiguous.stride() == b.stride()
-        as_int = memo(aten.add.Tensor, (a, 1), {})
-        as_float = memo(aten.add.Tensor, (a.to(torch.int64), 1.5), {})  # 1 is not 1.5, nor an int64 input
-        assert (as_int.dtype, as_float.dtype) == (torch.float32, torch.float32)
+        whole = a.to(torch.int64)
+        as_int = memo(aten.add.Tensor, (whole, 1), {})
+        as_float = memo(aten.add.Tensor, (whole, 1.0), {})  # 1 is not 1.0: an int64 sum, then a float one
+        assert (as_int.dtype, as_float.dtype) == (torch.int64, torch.float32)
+        out = torch.empty(0)
+        for _ in range(2):  # an out= variant resizes its output: run every time
+            memo(aten.mm.out, (a, b), {"out": out})
+            assert tuple(out.shape) == (4, 4)
+            out.resize_(0)
     assert memo.hits == 0
 
 

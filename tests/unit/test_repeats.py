@@ -64,6 +64,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gpt_oss": write_model_dir(root / "gpt_oss", {**TINY_LLAMA, **TINY_MOE["gpt_oss"], **deep,
                                                       "num_hidden_layers": 12,
                                                       "layer_types": ["sliding_attention", "full_attention"] * 6}),
+        "gemma2_3": write_model_dir(root / "gemma2_3", {  # two sliding blocks to one full: a period of three
+            "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 32, "head_dim": 8,
+            "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8,
+            **deep, "num_hidden_layers": 12,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 4}),
         "mistral": write_model_dir(root / "mistral", {  # every layer's attention slides
             **TINY_LLAMA, **deep, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
             "sliding_window": 8, "head_dim": 8}),
@@ -140,6 +145,8 @@ GRID = [
      "8 of 12 blocks"),  # a spacer of two blocks: the first full-attention block's recompute differs
     ("gpt_oss", "4090", {"task": "causal-lm", "precision": "bf16", "effective_batch": 10, "micro_batch_size": 2},
      "6 of 12 blocks and 8 of 10 micro-steps"),
+    ("gemma2_3", "4090", {"task": "causal-lm", "precision": "bf16"},
+     "full trace: the model's blocks repeat only every 3 blocks"),
     ("mistral", "cpu", {"task": "causal-lm"}, "4 of 6 blocks"),  # no KV cache: no window made per layer
 ]
 

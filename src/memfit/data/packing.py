@@ -138,23 +138,34 @@ def disable_cache(model: nn.Module) -> None:
     layer's keys and values in it and makes per-layer objects before its first block (a sliding-window layer's
     window as a tensor), which a trace of fewer blocks would not make as often. transformers also looks for
     packed sequences in ``position_ids`` only when the forward has no cache
-    (``masking_utils._preprocess_mask_arguments``). The saved model's config keeps the setting it was loaded
-    with (:func:`cache_as_loaded`)."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
+    (``masking_utils._preprocess_mask_arguments``). A composite model's text config (a vision-language model's)
+    is set too. The saved model's config keeps the setting it was loaded with (:func:`cache_as_loaded`)."""
+    for config in _cache_configs(getattr(model, "config", None)):
         config.use_cache = False
+
+
+def _cache_configs(config: Any) -> list[Any]:
+    """The configs of ``config`` that hold a ``use_cache`` setting: itself and its text config."""
+    if config is None:
+        return []
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return [each for each in ([config] if text is config else [config, text]) if hasattr(each, "use_cache")]
 
 
 @contextlib.contextmanager
 def cache_as_loaded(model: nn.Module, loaded: Any) -> Iterator[None]:
-    """Inside, ``model``'s config has the KV-cache setting of ``loaded`` (the config it was built from): a
-    fine-tuned model is saved for inference as it was loaded."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "use_cache") or not hasattr(loaded, "use_cache"):
+    """Inside, ``model``'s config (and its text config) has the KV-cache setting of ``loaded`` (the config it was
+    built from): a fine-tuned model is saved for inference as it was loaded."""
+    trained = _cache_configs(getattr(model, "config", None))
+    originals = _cache_configs(loaded)
+    if len(trained) != len(originals):
         yield
         return
-    training, config.use_cache = config.use_cache, loaded.use_cache
+    training = [config.use_cache for config in trained]
+    for config, original in zip(trained, originals, strict=True):
+        config.use_cache = original.use_cache
     try:
         yield
     finally:
-        config.use_cache = training
+        for config, setting in zip(trained, training, strict=True):
+            config.use_cache = setting

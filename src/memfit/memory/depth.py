@@ -32,6 +32,9 @@ from memfit.memory.repeats import Repeat
 from memfit.models import ModelSpec, _layer_count, is_encoder_decoder, transformer_layers, with_depth
 
 MAX_PERIOD = 8
+MAX_KINDS = 2
+"""Blocks of at most two kinds that alternate are copied (checked on Gemma-2 and gpt-oss); a longer pattern (three
+sliding-window blocks to one global, as Cohere2's) is traced in full."""
 MAX_OFFSET = 4
 MAX_CACHED = 16
 MIN_LAYERS = 5
@@ -72,6 +75,11 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1,
     full = _signatures(spec, task)
     if full is None or len(full) != spec.num_layers:
         return "the model's repeated blocks are not its layers"
+    kinds = _period(full, 1)
+    if kinds is None:
+        return "the model's blocks do not repeat"
+    if kinds[1] > MAX_KINDS:  # one block after the copied group then misses a kind the copy needs
+        return f"the model's blocks repeat only every {kinds[1]} blocks"
     every = config.checkpoint_every if config.checkpointing == "every-n" else 1
     structure = _period(full, every)
     if structure is None:

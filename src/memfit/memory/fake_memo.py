@@ -18,9 +18,10 @@ Trade-off: none in what is counted. The outputs have the metadata and the storag
 tensors gave the first time, so the tracker counts the same bytes and the same ops; tests trace with and
 without it and compare every figure. What passes through untouched: ops outside ``aten``, ops whose output
 shape depends on values (``dynamic_output_shape``, ``data_dependent_output``), ops that change an input's
-metadata in place (``inplace_view``, ``resize_``, ``set_``), any argument that is not a plain fake tensor of
-the trace's mode (a real tensor, a DTensor, a quantized parameter subclass) or a plain
-Python value, fake tensors carrying constants, and answers that are not tensors or ``None``.
+metadata in place (``inplace_view``, ``resize_``, ``set_``, any ``out=`` variant, whose kernel resizes its
+output), any argument that is not a plain fake tensor of the trace's mode (a real tensor, a DTensor, a quantized
+parameter subclass) or a plain Python value, fake tensors carrying constants, and answers that are not tensors or
+``None``. Which of an op's inputs alias each other is checked when its answer is recorded, not on each repeat.
 
 Torch internals used, all here (checked against torch 2.13): ``FakeTensor(fake_mode, meta_tensor, device)``,
 its ``fake_mode``, ``fake_device`` and ``constant`` attributes, and ``torch._C._DisableTorchDispatch`` (making
@@ -30,6 +31,7 @@ the meta tensors under the trace's modes), as torch's own fake-tensor cache make
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,24 +80,24 @@ _OPS: dict[Any, bool] = {}
 """Whether an op may be memoised at all, by op."""
 
 
-_ENABLED = [True]
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("memfit_fake_memo", default=True)
 
 
 @contextlib.contextmanager
 def unmemoised() -> Iterator[None]:
-    """Inside, every op runs through fake tensors (the trace the memo must equal)."""
-    _ENABLED.append(False)
+    """Inside (this thread), every op runs through fake tensors (the trace the memo must equal)."""
+    token = _ENABLED.set(False)
     try:
         yield
     finally:
-        _ENABLED.pop()
+        _ENABLED.reset(token)
 
 
 def memo_enabled() -> bool:
     """Whether traces memoise repeated ops: not inside :func:`unmemoised`, nor where this torch's fake tensors
     cannot be made as :func:`_made` makes them (checked once: a fresh output, a view and an in-place result
     against fake tensors' own answers)."""
-    return _ENABLED[-1] and _usable()
+    return _ENABLED.get() and _usable()
 
 
 @functools.cache
@@ -103,15 +105,28 @@ def _usable() -> bool:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     aten = torch.ops.aten
+
+    def storage(tensor: torch.Tensor) -> int:
+        return int(tensor.untyped_storage()._cdata)
+
     try:
         with FakeTensorMode():
             a, b, c = torch.empty(2, 3), torch.empty(3, 4), torch.empty(2, 3)
+            memo = FakeMemo(table={})  # its own table: the check never reads what traces recorded
             for func, args in ((aten.mm.default, (a, b)), (aten.t.default, (a,)), (aten.add_.Tensor, (a, c))):
-                memo = FakeMemo()
                 plain, first, again = func(*args), memo(func, args, {}), memo(func, args, {})
-                same = [(o.dtype, o.shape, o.stride(), o.storage_offset(), o.device) for o in (plain, first, again)]
-                if memo.hits != 1 or same.count(same[0]) != 3:
+                same = [(o.dtype, o.shape, o.stride(), o.storage_offset(), o.device, o.untyped_storage().nbytes())
+                        for o in (plain, first, again)]
+                if same.count(same[0]) != 3 or type(again) is not FakeTensor:
                     return False
+                if func is aten.mm.default and len({storage(plain), storage(again), storage(a), storage(b)}) != 4:
+                    return False  # a fresh storage of its own
+                if func is aten.t.default and storage(again) != storage(a):
+                    return False  # a view of its input's storage
+                if func is aten.add_.Tensor and again is not a:
+                    return False  # the input itself
+            if memo.hits != 3:
+                return False
     except Exception:  # an internal this torch does not have as used here: every op through fake tensors
         return False
     return True
@@ -121,8 +136,10 @@ class FakeMemo:
     """Repeated ops of one trace answered from their first answer (see the module docstring); ``hits``: how many
     were."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, table: dict[tuple[Any, ...], _Answer | None] | None = None) -> None:
         self.hits = 0
+        self.table = _MEMO if table is None else table
+        """The answers by key: the process's, shared by every trace (``table``: a table of its own)."""
 
     def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` on the fake tensors below, answered from the memo where the op repeats."""
@@ -139,7 +156,7 @@ class FakeMemo:
         if mode is False or mode is None:
             return func(*args, **kwargs)
         key = tuple(parts)
-        answer = _MEMO.get(key, AMBIGUOUS)  # never kept: here, a key not seen yet
+        answer = self.table.get(key, AMBIGUOUS)  # never kept: here, a key not seen yet
         if answer is None:
             return func(*args, **kwargs)
         if answer is not AMBIGUOUS:
@@ -148,16 +165,19 @@ class FakeMemo:
         out = func(*args, **kwargs)
         recorded = _recorded(out, tensors, mode)
         if recorded is not AMBIGUOUS:
-            if len(_MEMO) >= MAX_ENTRIES:
-                _MEMO.clear()
-            _MEMO[key] = recorded
+            if len(self.table) >= MAX_ENTRIES:
+                self.table.clear()
+            self.table[key] = recorded
         return out
 
 
 def _may_memoise(func: Any) -> bool:
+    """An aten op that changes no input's metadata: not tagged so, not one of :data:`METADATA_CHANGES`, and
+    without an ``out=`` argument (which its kernel resizes to the result)."""
     return isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" \
         and func._schema.name.split("::")[-1] not in METADATA_CHANGES \
-        and not any(tag in func.tags for tag in MEMOISED_TAGS)
+        and not any(tag in func.tags for tag in MEMOISED_TAGS) \
+        and not any(argument.is_out for argument in func._schema.arguments)
 
 
 def _describe(values: tuple[Any, ...] | list[Any], parts: list[Any], tensors: list[FakeTensor],
