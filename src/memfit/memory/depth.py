@@ -85,10 +85,8 @@ def depth_cut(spec: ModelSpec, config: TrainConfig, task: str, *, tail: int = 1,
     if structure is None:
         return "the model's blocks do not repeat"
     if config.train_top_layers:
-        if structure[1] > 1:
-            return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
-        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], every=every, tail=tail,
-                            spacer=spacer)
+        cut = _frozen_below(spec.num_layers, config.train_top_layers, offset=structure[0], period=structure[1],
+                            tail=tail, spacer=spacer)
     else:
         cut = _uniform(spec.num_layers, offset=structure[0], period=structure[1], tail=tail, spacer=spacer)
     if not isinstance(cut, DepthCut):
@@ -114,11 +112,11 @@ REGION = 5
 (the second is copied), one after."""
 
 
-def _frozen_below(num_layers: int, trained: int, *, offset: int, every: int, tail: int = 1,
+def _frozen_below(num_layers: int, trained: int, *, offset: int, period: int, tail: int = 1,
                   spacer: bool = False) -> DepthCut | str | None:
     """``--train-top-layers``: the frozen blocks and the trained ones above them, each run cut to
     :data:`REGION` blocks (the top run ``tail - 1`` more) and its fourth copied to the run's length."""
-    if offset or every > 1:
+    if offset or period > 1:  # checkpointed every n-th, or blocks of two kinds
         return "with --train-top-layers, only blocks that all repeat and are not checkpointed every n-th are cut"
     frozen = num_layers - trained
     if frozen < 1:  # every block trains: the model's own depth cut, every block of the copy trained too

@@ -25,18 +25,15 @@ class FakeAnswers(TorchDispatchMode):
     def __init__(self, *, cuda: bool = False, memo: bool = False) -> None:
         super().__init__()
         self.cuda = cuda
-        self.memo: FakeMemo | None = None
+        self.memo = FakeMemo() if memo else None
         """Repeated ops answered from their first answer (:mod:`memfit.memory.fake_memo`), inside
         :meth:`memoising`."""
         self._memoising = False
-        self._may_memoise = memo
 
     @contextlib.contextmanager
     def memoising(self) -> Iterator[None]:
         """Inside, repeated ops are answered from the memo: the training step, once the model is built (a
         build's ops carry values fake mode keeps as constants, and run once)."""
-        if self.memo is None and self._may_memoise:
-            self.memo = FakeMemo()
         self._memoising = True
         try:
             yield

@@ -483,12 +483,15 @@ class Search:
         one node's; nor under FSDP, whose accumulation keeps unsharded gradients that one window does not.)"""
         if not self.least_decides(family):
             return None
+        return next((least for least in self._leaner_least_needs(family) if least.fits is False), None)
+
+    def _leaner_least_needs(self, family: Family) -> Iterator[Candidate]:
+        """The least needs traced exactly of ``family`` checkpointing more, the leanest last."""
         for checkpointing in CHECKPOINTING[CHECKPOINTING.index(family.checkpointing) + 1:]:
             leaner = dataclasses.replace(family, checkpointing=checkpointing)
             candidate = self.candidates.get((leaner, self.least_micro(leaner)))
-            if candidate is not None and candidate.exact and candidate.fits is False:
-                return candidate
-        return None
+            if candidate is not None and candidate.exact:
+                yield candidate
 
     def low_first(self, family: Family) -> bool:
         """Whether :meth:`fit` traces ``family`` at its least need (micro-batch 1, exactly) before its line: where
@@ -498,12 +501,8 @@ class Search:
         point: the line costs one trace more only by its fourth micro-step."""
         if not self.least_decides(family) or family.reduce_every or family.optimizer_in_backward:
             return False
-        for checkpointing in CHECKPOINTING[CHECKPOINTING.index(family.checkpointing) + 1:]:
-            leaner = self.candidates.get((dataclasses.replace(family, checkpointing=checkpointing), 1))
-            if leaner is not None and leaner.exact and \
-                    (leaner.predicted_peak_bytes or 0) >= LOW_FIRST * self.usable:
-                return True
-        return False
+        return any((least.predicted_peak_bytes or 0) >= LOW_FIRST * self.usable
+                   for least in self._leaner_least_needs(family))
 
     @staticmethod
     def _leanest(family: Family) -> Family:
